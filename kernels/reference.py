@@ -1,0 +1,163 @@
+"""Plain-PyTorch references for the paged-attention kernels.
+
+These define the semantics that the Triton kernels in this package must match,
+and they are what runs on the CPU. Layouts (shared with the Triton kernels):
+
+* ``k_cache`` / ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``
+  (one layer's slice of the KV pool).
+* ``k_scale`` / ``v_scale`` (INT8 KV only): ``[num_blocks, block_size, num_kv_heads]``
+  float32, one scale per token and head; the stored value is
+  ``round(x / scale)`` clamped to [-127, 127].
+* ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``; entries past a
+  sequence's last block are never read (their value does not matter).
+* ``slot_mapping``: int ``[num_tokens]``, ``block_id * block_size + offset``;
+  ``-1`` means "do not store this token".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+INT8_MAX = 127.0
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-(token, head) INT8: ``x [T, H, D]`` -> (int8 values, float32 scales ``[T, H]``)."""
+    scale = x.float().abs().amax(dim=-1).clamp(min=1e-8) / INT8_MAX
+    q = torch.round(x.float() / scale[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def _dequant(values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        return values.to(dtype)
+    return (values.float() * scale[..., None]).to(dtype)
+
+
+def store_kvcache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Write ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` into their slots, in place."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    if slots.numel() == 0:
+        return
+    num_blocks, block_size = k_cache.shape[:2]
+    for new, cache, scale in ((k[keep], k_cache, k_scale), (v[keep], v_cache, v_scale)):
+        flat = cache.view(num_blocks * block_size, *cache.shape[2:])
+        if scale is None:
+            flat.index_copy_(0, slots, new.to(cache.dtype))
+        else:
+            q, s = quantize_int8(new)
+            flat.index_copy_(0, slots, q)
+            scale.view(num_blocks * block_size, -1).index_copy_(0, slots, s)
+
+
+def _gather(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor, length: int, dtype: torch.dtype):
+    """The first ``length`` tokens held in ``blocks``: ``[length, num_kv_heads, head_dim]``."""
+    values = cache[blocks].flatten(0, 1)[:length]
+    token_scale = None if scale is None else scale[blocks].flatten(0, 1)[:length]
+    return _dequant(values, token_scale, dtype)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence over its whole paged KV: ``q [num_seqs, num_q_heads, head_dim]``.
+
+    All sequences are gathered into one padded batch and masked, which keeps
+    the CPU path to a handful of large tensor ops per layer.
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    max_len = int(seq_lens.max())
+    num_blocks_needed = (max_len + block_size - 1) // block_size
+    blocks = block_tables[:, :num_blocks_needed].long().clamp(min=0)
+    k = _gather_batch(k_cache, k_scale, blocks, max_len, q.dtype)  # (seqs, len, kv_heads, dim)
+    v = _gather_batch(v_cache, v_scale, blocks, max_len, q.dtype)
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("shgd,slhd->shgl", qg.float(), k.float()) * scale
+    positions = torch.arange(max_len, device=q.device)
+    pad = positions[None, :] >= seq_lens.to(q.device).long()[:, None]  # (seqs, len)
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("shgl,slhd->shgd", probs, v.float())
+    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
+
+
+def _gather_batch(cache, scale, blocks, length, dtype):
+    num_seqs = blocks.shape[0]
+    values = cache[blocks].view(num_seqs, -1, *cache.shape[2:])[:, :length]
+    token_scale = None if scale is None else scale[blocks].view(num_seqs, -1, scale.shape[-1])[:, :length]
+    return _dequant(values, token_scale, dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over a cached prefix plus themselves.
+
+    Sequence ``i`` owns query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of
+    ``q``/``k``/``v`` (``[num_tokens, heads, head_dim]``); its total length
+    after this step is ``seq_lens[i]``, so its first ``seq_lens[i] - q_len``
+    tokens are read from the paged cache and the new ones from ``k``/``v``.
+    """
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    bounds = cu_seqlens_q.tolist()
+    lengths = seq_lens.tolist()
+    for i, total in enumerate(lengths):
+        start, end = bounds[i], bounds[i + 1]
+        num_new = end - start
+        if num_new == 0:
+            continue
+        num_cached = total - num_new
+        keys, values = k[start:end], v[start:end]
+        if num_cached > 0:
+            blocks = block_tables[i, : (num_cached + block_size - 1) // block_size].long()
+            keys = torch.cat([_gather(k_cache, k_scale, blocks, num_cached, q.dtype), keys])
+            values = torch.cat([_gather(v_cache, v_scale, blocks, num_cached, q.dtype), values])
+        # Query j sits at absolute position num_cached + j and sees keys 0..num_cached + j.
+        mask = None
+        if num_cached > 0:
+            rows = torch.arange(num_new, device=q.device)[:, None] + num_cached
+            mask = torch.arange(total, device=q.device)[None, :] <= rows
+        o = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start:end] = o[0].transpose(0, 1)
+    return out
