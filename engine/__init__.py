@@ -1,0 +1,8 @@
+"""The shared runtime: model, paged KV scheduling, sampling and the offline ``LLM`` API."""
+
+from engine.config import EngineConfig, ModelConfig
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "ModelConfig", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,61 @@
+"""Offline batch inference: ``LLM(...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from engine.llm_engine import LLMEngine, Prompt, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Runs a whole list of prompts through the continuous-batching engine and returns them in order.
+
+    ``LLM(model="default", dtype="auto", block_size=16, num_blocks=None, max_num_seqs=256,
+    max_num_batched_tokens=4096, ...)``: any ``EngineConfig`` field may be passed.
+    """
+
+    def __init__(self, model: str = "default", **engine_options) -> None:
+        self.engine = LLMEngine(model=model, **engine_options)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in the prompts' order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts given")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        # Validate everything first, so a bad prompt leaves nothing half-queued.
+        for prompt, p in zip(prompts, params, strict=True):
+            p.validate()
+            self.engine.tokenize(prompt)
+        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[i] for i in ids]
+
+    def chat(
+        self,
+        conversations: list[dict[str, str]] | list[list[dict[str, str]]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Like ``generate`` for chat messages, rendered with the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(messages) for messages in conversations]
+        return self.generate(prompts, params)

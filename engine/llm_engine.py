@@ -1,0 +1,180 @@
+"""The engine loop: requests in, one scheduled step at a time, outputs out.
+
+A request's life: ``add_request`` validates it, tokenizes it and queues a
+``Sequence`` (WAITING). Each ``step`` asks the scheduler for a batch, runs it,
+appends the sampled tokens, checks stop conditions and frees the blocks of
+whatever finished. ``abort`` ends a request at once and frees its blocks.
+The decode worker drives an engine through exactly these three calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from engine.bundled import resolve_model
+from engine.config import EngineConfig, ModelConfig
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvstore import BlockManager
+
+Prompt = str | list[int]
+
+
+@dataclass
+class RequestOutput:
+    """A request's progress after a step: everything so far, and what this step added."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_preemptions: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        self.config = config or EngineConfig(**overrides)
+        path = resolve_model(self.config.model)
+        self.model_config = ModelConfig.from_dir(path)
+        self.tokenizer = Tokenizer(path)
+        self.runner = ModelRunner(path, self.model_config, self.config)
+        block_size = self.config.block_size
+        pool_tokens = self.runner.num_blocks * block_size
+        if self.config.max_model_len and self.config.max_model_len > self.model_config.max_context:
+            raise ValueError(
+                f"max_model_len={self.config.max_model_len} exceeds the model's context of "
+                f"{self.model_config.max_context} tokens"
+            )
+        # A sequence must always fit in the pool on its own, or preemption could never make room for it.
+        self.max_model_len = min(self.config.max_model_len or self.model_config.max_context, pool_tokens)
+        self.block_manager = BlockManager(self.runner.num_blocks, block_size)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._sequences: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    # -- requests -----------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt given as text or ids, validated against the model and the pool."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: send at least one character or token id")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if not ids:
+                raise ValueError("prompt is empty: send at least one character or token id")
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but at most {self.max_model_len - 1} fit "
+                f"(model context {self.model_config.max_context} tokens, KV pool "
+                f"{self.runner.num_blocks * self.config.block_size} tokens; one slot is kept for the answer)"
+            )
+        return ids
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        ids = self.tokenize(prompt)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._sequences:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(
+            seq_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+            generator=None if params.seed is None else self.runner.new_generator(params.seed),
+        )
+        self._sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now and free its blocks; False when it is unknown or already finished."""
+        seq = self._sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._sequences)
+
+    # -- the loop -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for every request that got a token this step."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        tokens = self.runner.execute(batch)
+        outputs = []
+        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens, strict=True):
+            seq.num_computed_tokens += n
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            new_text = seq.detokenizer.add([token])
+            reason = self._check_stop(seq, token, new_text)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self._sequences.pop(seq.seq_id, None)
+            outputs.append(self._output(seq, [token]))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int, new_text: str) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        text = seq.detokenizer.text
+        if params.stop and new_text:
+            # only the tail can hold a new match: the new text plus the longest stop string before it
+            window = len(new_text) + max(len(s) for s in params.stop)
+            tail_start = max(0, len(text) - window)
+            hits = [i for s in params.stop if (i := text.find(s, tail_start)) != -1]
+            if hits:
+                seq.detokenizer.text = text[: min(hits)]
+                return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+        text = seq.detokenizer.text
+        # While running, hold back text that could still turn out to be the start of a stop string,
+        # so that the concatenated deltas always equal the final text.
+        holdback = max((len(s) - 1 for s in seq.params.stop), default=0)
+        upto = len(text) if seq.is_finished else max(seq.num_emitted_chars, len(text) - holdback)
+        new_text = text[seq.num_emitted_chars : upto]
+        seq.num_emitted_chars = upto
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=text,
+            new_token_ids=new_token_ids,
+            new_text=new_text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_preemptions=seq.num_preemptions,
+        )

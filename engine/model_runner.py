@@ -1,0 +1,104 @@
+"""Execution: turns a scheduled batch into flat tensors, runs the model and samples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import EngineConfig, ModelConfig
+from engine.loader import load_model
+from engine.sampler import sample
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+from kvstore import KVCache, KVCacheSpec
+
+
+class ModelRunner:
+    """Owns the model weights and the KV pool on one device."""
+
+    def __init__(self, model_path: Path, model_config: ModelConfig, config: EngineConfig) -> None:
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        self.model_config = model_config
+        self.block_size = config.block_size
+        self.model = load_model(model_path, model_config, self.dtype, self.device)
+        self.kv_spec = KVCacheSpec(
+            num_layers=model_config.num_layers,
+            num_kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim,
+            block_size=config.block_size,
+            dtype=self.dtype,
+            kv_cache_dtype=config.kv_cache_dtype,
+        )
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            budget = config.default_kv_bytes(self.device)
+            num_blocks = self.kv_spec.num_blocks_for_bytes(budget)
+            if num_blocks < 1:
+                raise ValueError(
+                    f"a KV budget of {budget} bytes holds no block; one block needs {self.kv_spec.bytes_per_block()}"
+                )
+        self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    def new_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(self.device).manual_seed(seed)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int | None]:
+        """Run one step; return the sampled token for each sequence that reached its end, else None."""
+        input_ids, positions, slots, sample_rows = self._flatten(batch)
+        meta = self._metadata(batch, slots)
+        hidden = self.model(
+            torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
+            self.kv_cache.layers, meta,
+        )  # fmt: skip
+        sampled = [i for i, row in enumerate(sample_rows) if row is not None]
+        if not sampled:
+            return [None] * len(batch.seqs)
+        logits = self.model.compute_logits(hidden[[sample_rows[i] for i in sampled]])
+        tokens = sample(logits, [self._sampling_row(batch.seqs[i]) for i in sampled])
+        out: list[int | None] = [None] * len(batch.seqs)
+        for i, token in zip(sampled, tokens, strict=True):
+            out[i] = token
+        return out
+
+    def _flatten(self, batch: ScheduledBatch):
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int | None] = []
+        bs = self.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            sample_rows.append(len(input_ids) - 1 if end == seq.num_tokens else None)
+        return input_ids, positions, slots, sample_rows
+
+    def _metadata(self, batch: ScheduledBatch, slots: list[int]) -> AttentionMetadata:
+        seq_lens = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        cu = [0]
+        for n in batch.num_new_tokens:
+            cu.append(cu[-1] + n)
+        to = dict(device=self.device, dtype=torch.int32)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=self.device, dtype=torch.int64),
+            block_tables=torch.tensor(tables, **to),
+            seq_lens=torch.tensor(seq_lens, **to),
+            cu_seqlens_q=torch.tensor(cu, **to),
+            num_decodes=batch.num_decodes,
+        )
+
+    def _sampling_row(self, seq: Sequence):
+        return seq.params, seq.generator or self.generator, seq.token_ids

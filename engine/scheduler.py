@@ -1,0 +1,107 @@
+"""Continuous batching: which sequences run this step, with how many new tokens each.
+
+Each step has a token budget (``max_num_batched_tokens``). Running sequences
+go first, in the order they were admitted: a decoding sequence takes one
+token, a sequence still in its prompt takes the next chunk of it (chunked
+prefill). When the pool has no block for a running sequence, the most recently
+admitted one is preempted: its blocks are freed and it goes back to the front
+of the waiting queue, to be recomputed later. Waiting sequences are admitted
+in arrival order while budget, sequence slots and blocks last, and not at all
+in a step that had to preempt.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.sequence import Sequence, SequenceStatus
+from kvstore import BlockManager
+
+
+@dataclass
+class ScheduledBatch:
+    """Decodes (one new token) first, then prefill chunks."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    num_decodes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        picked: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self._allocate(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                picked.append((seq, n))
+                budget -= n
+                i += 1
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._allocate(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            picked.append((seq, n))
+            budget -= n
+        decodes = [(s, n) for s, n in picked if n == 1]
+        prefills = [(s, n) for s, n in picked if n != 1]
+        ordered = decodes + prefills
+        return ScheduledBatch([s for s, _ in ordered], [n for _, n in ordered], len(decodes))
+
+    def _allocate(self, seq: Sequence, n: int) -> bool:
+        if not self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + n):
+            return False
+        seq.block_table = self.block_manager.block_table(seq.seq_id)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.seq_id)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take ``seq`` out of whichever queue holds it and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.block_table = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

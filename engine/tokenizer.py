@@ -1,0 +1,58 @@
+"""The model's tokenizer, with its chat template and incremental detokenization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+
+class Tokenizer:
+    def __init__(self, path: Path) -> None:
+        self.hf = AutoTokenizer.from_pretrained(str(path))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=True)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render chat messages (``{"role", "content"}``) into the prompt text the model was tuned on."""
+        if not self.hf.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never end inside a multi-byte character.
+
+    Decoding token by token would split characters whose bytes span tokens;
+    instead we decode a short window and hold text back while it ends in the
+    replacement character U+FFFD.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-6:])  # a little context so the first word gets its leading space
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append tokens; return the newly completed text (possibly empty)."""
+        self.ids.extend(token_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,110 @@
+"""Triton building blocks shared by the attention kernels: paged-row addressing and one online-softmax step.
+
+Only ``@triton.jit`` helpers live here; the kernels that call them are in
+``decode_attention.py`` and ``prefill_attention.py``. Every helper works on a
+*tile* of ``N`` key tokens against ``M`` query rows, in registers.
+
+Scores are kept in the log2 domain: the caller folds ``log2(e)`` into
+``qk_scale`` so that the softmax uses ``exp2`` (one instruction on the GPU).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def paged_slots(block_table_row, tokens, token_ok, BLOCK_SIZE: tl.constexpr):
+    """Physical ``(block id int64 [N], offset in block [N])`` of logical ``tokens [N]`` of one sequence.
+
+    Masked tokens map to block 0, offset ``token % BLOCK_SIZE``: a valid address
+    that is never used because every later load is masked by ``token_ok`` too.
+    """
+    blocks = tl.load(block_table_row + tokens // BLOCK_SIZE, mask=token_ok, other=0).to(tl.int64)
+    return blocks, tokens % BLOCK_SIZE
+
+
+@triton.jit
+def load_paged_rows(
+    cache_ptr,
+    scale_ptr,
+    blocks,
+    offsets,
+    token_ok,
+    kv_head,
+    dims,
+    dim_ok,
+    stride_block,
+    stride_token,
+    stride_head,
+    scale_stride_block,
+    scale_stride_token,
+    scale_stride_head,
+    IS_INT8: tl.constexpr,
+):
+    """Rows ``[N, D]`` of one KV head from a paged cache, in the cache's dtype, and their scales.
+
+    The scales ``[N]`` (float32) are only loaded when ``IS_INT8``; otherwise a
+    scalar placeholder is returned and never used.
+    """
+    rows = blocks * stride_block + offsets * stride_token + kv_head * stride_head  # [N] int64
+    values = tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=token_ok[:, None] & dim_ok[None, :], other=0)
+    if IS_INT8:
+        scale_rows = blocks * scale_stride_block + offsets * scale_stride_token + kv_head * scale_stride_head
+        scales = tl.load(scale_ptr + scale_rows, mask=token_ok, other=0.0)
+    else:
+        scales = 1.0
+    return values, scales
+
+
+@triton.jit
+def attend_tile(
+    q,
+    k,
+    v,
+    k_scales,
+    v_scales,
+    visible,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    K_INT8: tl.constexpr,
+    V_INT8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One flash-attention step: fold the key tile ``k, v [N, D]`` into the running ``(m_i, l_i, acc)``.
+
+    Shapes: ``q [M, D]``, ``visible [M, N]`` (bool), ``m_i, l_i [M]``, ``acc [M, D]``
+    (all float32 except ``q``, ``k``, ``v``). INT8 tiles stay integer-valued in the
+    model dtype (exact for |x| <= 127) and their per-token scales are applied on
+    the ``[M, N]`` side: to the scores for K, to the probabilities for V.
+
+    Invariant required by the caller: every row has at least one visible key
+    in this tile or in an earlier one, so ``m_new`` is finite and no NaN appears.
+    ``l_i`` sums the unscaled probabilities; ``acc`` is not normalized.
+    """
+    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)  # [M, N] float32
+    if K_INT8:
+        scores = scores * k_scales[None, :]
+    scores = tl.where(visible, scores * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if V_INT8:
+        p = p * v_scales[None, :]
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: exact fp32 products for fp32 tensors (tests), tensor-core default otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def padded(n: int, minimum: int = 16) -> int:
+    """The power of two ``>= n`` and ``>= minimum`` (``tl.dot`` needs every dimension >= 16)."""
+    return max(minimum, triton.next_power_of_2(n))
