@@ -1,5 +1,110 @@
-"""Paged-attention kernels: Triton on CUDA (or under ``TRITON_INTERPRET=1``), PyTorch references otherwise."""
+"""Paged-attention kernels: Triton on CUDA (or under ``TRITON_INTERPRET=1``), PyTorch references otherwise.
 
-from kernels.reference import paged_decode_attention, paged_prefill_attention, store_kvcache
+``_implementation`` is the one place that picks the backend. Triton modules are
+imported on first use, so ``import kernels`` works where Triton is not
+installed (then the references always run). Note that Triton decides between
+compiling and interpreting when a kernel module is *imported*: set
+``TRITON_INTERPRET=1`` before the first Triton call in a process.
+"""
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kvcache"]
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+from kernels import reference
+
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kvcache", "use_triton"]
+
+_TRITON_MODULES = {
+    "paged_decode_attention": "kernels.decode_attention",
+    "paged_prefill_attention": "kernels.prefill_attention",
+    "store_kvcache": "kernels.store_kv",
+}
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether tensors on ``device`` go to the Triton kernels (CUDA, or any device when interpreting)."""
+    interpret = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
+    return (device.type == "cuda" or interpret) and _triton_installed()
+
+
+def _implementation(name: str, device: torch.device):
+    if use_triton(device):
+        return getattr(importlib.import_module(_TRITON_MODULES[name]), name)
+    return getattr(reference, name)
+
+
+def _check_int8(cache: torch.Tensor, scale: torch.Tensor | None, name: str) -> None:
+    if (cache.dtype == torch.int8) != (scale is not None):
+        raise ValueError(f"{name}: an int8 cache needs its scales and only an int8 cache takes them")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged KV; see ``reference.paged_decode_attention``."""
+    _check_int8(k_cache, k_scale, "k_cache")
+    _check_int8(v_cache, v_scale, "v_cache")
+    impl = _implementation("paged_decode_attention", q.device)
+    return impl(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=k_scale, v_scale=v_scale)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over a cached prefix; see ``reference.paged_prefill_attention``."""
+    _check_int8(k_cache, k_scale, "k_cache")
+    _check_int8(v_cache, v_scale, "v_cache")
+    impl = _implementation("paged_prefill_attention", q.device)
+    return impl(
+        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale=k_scale, v_scale=v_scale
+    )
+
+
+def store_kvcache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Write new tokens' K/V into their slots in place (``-1`` = skip); see ``reference.store_kvcache``."""
+    _check_int8(k_cache, k_scale, "k_cache")
+    _check_int8(v_cache, v_scale, "v_cache")
+    impl = _implementation("store_kvcache", k.device)
+    impl(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)

@@ -1,0 +1,245 @@
+"""Paged decode attention in Triton: split-K (flash-decoding) plus a reduction kernel.
+
+Work decomposition. Program ``(seq, kv_head, split)`` of the first kernel
+reads one contiguous token range of one sequence's KV for one KV head, once,
+and attends *all* query heads that share that KV head (the GQA group, padded
+to a power of two >= 16 so it can feed ``tl.dot``). The range is walked in
+tiles of ``BLOCK_N`` tokens: whole pages when ``block_size`` divides
+``BLOCK_N``, each page addressed through the block table.
+
+Splits. Every sequence is cut into ``num_splits`` ranges of equal length,
+rounded up to whole tiles, so short sequences may have empty splits (more
+splits than pages). An empty split writes ``max = -inf``, ``sum = 0`` and a zero
+accumulator; the reduction kernel gives it weight 0. With one split the first
+kernel normalizes and writes the output itself and the reduction is skipped.
+
+Numerics: fp32 accumulation, scores in the log2 domain (``exp2``), INT8
+caches dequantized in registers (see ``tiles.attend_tile``). A sequence of
+length 0 produces zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.tiles import LOG2E, attend_tile, dot_precision, load_paged_rows, padded, paged_slots
+
+# head_dim (padded) -> (tokens per tile, num_warps, num_stages). A tile of K and
+# of V is 16 KiB each in 16-bit dtypes, so three stages stay within shared memory
+# with two programs per SM. Untuned defaults for other head dims.
+_CONFIGS = {64: (128, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}
+_DEFAULT_CONFIG = (64, 4, 2)
+_MAX_SPLITS = 64
+_PROGRAMS_PER_SM = 2  # enough resident programs to keep every SM streaming
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors to fill; 1 off-GPU, where the interpreter runs programs one by one."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_tokens: int, num_sms: int) -> int:
+    """Splits per sequence so that ``num_seqs * num_kv_heads * splits`` programs fill the GPU.
+
+    Never more splits than tiles in the longest sequence (each split should get
+    work) and never more than ``_MAX_SPLITS`` (bounds the reduction's tile).
+    """
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads)
+    return max(1, min(wanted, triton.cdiv(max_seq_len, tile_tokens), _MAX_SPLITS))
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [num_seqs, num_q_heads, HEAD_DIM]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+    v_cache_ptr,
+    k_scale_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads] float32 (K_INT8 only)
+    v_scale_ptr,
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    out_ptr,  # [num_seqs, num_q_heads, HEAD_DIM] (NUM_SPLITS == 1 only)
+    part_acc_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS, HEAD_DIM_PAD] float32, unnormalized
+    part_max_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] float32, log2 domain
+    part_sum_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] float32
+    qk_scale,  # softmax scale * log2(e)
+    stride_q_seq,
+    stride_q_head,
+    stride_o_seq,
+    stride_o_head,
+    stride_k_block,
+    stride_k_token,
+    stride_k_head,
+    stride_v_block,
+    stride_v_token,
+    stride_v_head,
+    stride_ks_block,
+    stride_ks_token,
+    stride_ks_head,
+    stride_vs_block,
+    stride_vs_token,
+    stride_vs_head,
+    stride_bt_seq,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per page
+    BLOCK_N: tl.constexpr,  # tokens per tile
+    NUM_SPLITS: tl.constexpr,
+    K_INT8: tl.constexpr,
+    V_INT8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_q_heads = tl.num_programs(1) * GROUP
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)  # start >= end: empty split
+
+    rows = tl.arange(0, GROUP_PAD)
+    row_ok = rows < GROUP
+    q_heads = kv_head * GROUP + rows  # [GROUP_PAD]
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    q_offsets = seq * stride_q_seq + q_heads[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [GROUP_PAD, HEAD_DIM_PAD]
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    block_table_row = block_tables_ptr + seq * stride_bt_seq
+    # Every tile starts below `end`, so it holds at least one visible token.
+    for tile_start in tl.range(start, end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_ok = tokens < end
+        blocks, offsets = paged_slots(block_table_row, tokens, token_ok, BLOCK_SIZE)
+        k, k_scales = load_paged_rows(
+            k_cache_ptr, k_scale_ptr, blocks, offsets, token_ok, kv_head, dims, dim_ok,
+            stride_k_block, stride_k_token, stride_k_head,
+            stride_ks_block, stride_ks_token, stride_ks_head, K_INT8,
+        )  # fmt: skip
+        v, v_scales = load_paged_rows(
+            v_cache_ptr, v_scale_ptr, blocks, offsets, token_ok, kv_head, dims, dim_ok,
+            stride_v_block, stride_v_token, stride_v_head,
+            stride_vs_block, stride_vs_token, stride_vs_head, V_INT8,
+        )  # fmt: skip
+        m_i, l_i, acc = attend_tile(
+            q, k, v, k_scales, v_scales, token_ok[None, :], m_i, l_i, acc, qk_scale, K_INT8, V_INT8, DOT_PRECISION
+        )
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_offsets = seq * stride_o_seq + q_heads[:, None] * stride_o_head + dims[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    else:
+        part = (seq * num_q_heads + q_heads) * NUM_SPLITS + split  # [GROUP_PAD]
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_acc_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS, HEAD_DIM_PAD] float32
+    part_max_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] float32
+    part_sum_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] float32
+    out_ptr,  # [num_seqs, num_q_heads, HEAD_DIM]
+    stride_o_seq,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """Merge the splits of one (sequence, query head); empty splits (sum 0) get weight 0."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < NUM_SPLITS
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits  # [SPLITS_PAD]
+
+    maxes = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
+    sums = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
+    global_max = tl.max(maxes, 0)
+    weights = tl.where(sums > 0, tl.exp2(maxes - global_max), 0.0)  # [SPLITS_PAD]
+    total = tl.sum(sums * weights, 0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], mask=split_ok[:, None], other=0.0)
+    out = tl.sum(acc * weights[:, None], 0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM_PAD]
+    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton twin of ``reference.paged_decode_attention``; ``num_splits`` overrides the heuristic (tests).
+
+    The split heuristic bounds the sequence length by the block table's width,
+    so no device-to-host copy is needed (the call is CUDA-graph safe).
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q, k_cache and v_cache need a contiguous last dimension")
+    group = num_q_heads // num_kv_heads
+    head_dim_pad = padded(head_dim)
+    tile_tokens, num_warps, num_stages = _CONFIGS.get(head_dim_pad, _DEFAULT_CONFIG)
+    if num_splits is None:
+        max_seq_len = block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_tokens, _num_sms(q.device))
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    if num_splits > 1:
+        part_acc = torch.empty(num_seqs, num_q_heads, num_splits, head_dim_pad, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # unused placeholders
+    ks = k_scale if k_scale is not None else k_cache  # placeholders keep the argument list fixed
+    vs = v_scale if v_scale is not None else v_cache
+    ks_strides = k_scale.stride() if k_scale is not None else (0, 0, 0)
+    vs_strides = v_scale.stride() if v_scale is not None else (0, 0, 0)
+
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, ks, vs, block_tables, seq_lens,
+        out, part_acc, part_max, part_sum,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], *ks_strides, *vs_strides,
+        block_tables.stride(0),
+        GROUP=group, GROUP_PAD=padded(group), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=tile_tokens, NUM_SPLITS=num_splits,
+        K_INT8=k_scale is not None, V_INT8=v_scale is not None, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_q_heads)](
+            part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,188 @@
+"""Paged prefill attention in Triton: packed new tokens over a cached paged prefix plus themselves.
+
+Program ``(seq, kv_head, tile)`` owns ``BLOCK_M`` query *rows* of one
+sequence, where row ``r`` is (new token ``r // GROUP``, query head
+``kv_head * GROUP + r % GROUP``). Folding the GQA group into the rows means
+each key tile is loaded once per KV head and serves every query head of it.
+
+Two passes over keys, one online softmax:
+
+1. the cached prefix, absolute positions ``[0, num_cached)``, read through the
+   block table (INT8 dequantized in registers), visible to every row;
+2. the new tokens from the packed ``k``/``v`` (always full precision), new
+   token ``j`` visible to row token ``t`` iff ``j <= t`` (causal).
+
+Every valid row sees key 0 in the first tile it processes, so the running max
+is finite from then on and no NaN can appear.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.tiles import LOG2E, attend_tile, dot_precision, load_paged_rows, padded, paged_slots
+
+# head_dim (padded) -> (BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages). Untuned.
+_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 32, 4, 1)}
+_DEFAULT_CONFIG = (32, 32, 4, 1)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
+    k_ptr,  # [num_tokens, num_kv_heads, HEAD_DIM], the new tokens' keys
+    v_ptr,
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+    v_cache_ptr,
+    k_scale_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads] float32 (K_INT8 only)
+    v_scale_ptr,
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    cu_seqlens_q_ptr,  # [num_seqs + 1]
+    seq_lens_ptr,  # [num_seqs], cached + new
+    out_ptr,  # like q
+    qk_scale,  # softmax scale * log2(e)
+    stride_q_token,
+    stride_q_head,
+    stride_k_token,
+    stride_k_head,
+    stride_v_token,
+    stride_v_head,
+    stride_o_token,
+    stride_o_head,
+    stride_kc_block,
+    stride_kc_token,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_token,
+    stride_vc_head,
+    stride_ks_block,
+    stride_ks_token,
+    stride_ks_head,
+    stride_vs_block,
+    stride_vs_token,
+    stride_vs_head,
+    stride_bt_seq,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_INT8: tl.constexpr,
+    V_INT8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    first_row = tl.program_id(2) * BLOCK_M
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if first_row >= q_len * GROUP:
+        return
+    num_cached = tl.load(seq_lens_ptr + seq) - q_len
+
+    rows = first_row + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len * GROUP
+    row_token = rows // GROUP  # index among the new tokens; >= q_len for padding rows
+    q_heads = kv_head * GROUP + rows % GROUP
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    row_mask = row_ok[:, None] & dim_ok[None, :]
+    q_offsets = (q_start + row_token)[:, None] * stride_q_token + q_heads[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+
+    # 1) Cached prefix, seen by every row.
+    block_table_row = block_tables_ptr + seq * stride_bt_seq
+    for tile_start in tl.range(0, num_cached, BLOCK_N):
+        keys = tile_start + tl.arange(0, BLOCK_N)
+        key_ok = keys < num_cached
+        blocks, offsets = paged_slots(block_table_row, keys, key_ok, BLOCK_SIZE)
+        k, k_scales = load_paged_rows(
+            k_cache_ptr, k_scale_ptr, blocks, offsets, key_ok, kv_head, dims, dim_ok,
+            stride_kc_block, stride_kc_token, stride_kc_head,
+            stride_ks_block, stride_ks_token, stride_ks_head, K_INT8,
+        )  # fmt: skip
+        v, v_scales = load_paged_rows(
+            v_cache_ptr, v_scale_ptr, blocks, offsets, key_ok, kv_head, dims, dim_ok,
+            stride_vc_block, stride_vc_token, stride_vc_head,
+            stride_vs_block, stride_vs_token, stride_vs_head, V_INT8,
+        )  # fmt: skip
+        m_i, l_i, acc = attend_tile(
+            q, k, v, k_scales, v_scales, key_ok[None, :], m_i, l_i, acc, qk_scale, K_INT8, V_INT8, DOT_PRECISION
+        )
+
+    # 2) The new tokens, causally; this tile's rows reach new token `last_token` at most.
+    last_token = tl.minimum(q_len - 1, (first_row + BLOCK_M - 1) // GROUP)
+    for tile_start in tl.range(0, last_token + 1, BLOCK_N):
+        keys = tile_start + tl.arange(0, BLOCK_N)
+        key_ok = keys < q_len
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k_offsets = (q_start + keys)[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :]
+        v_offsets = (q_start + keys)[:, None] * stride_v_token + kv_head * stride_v_head + dims[None, :]
+        k = tl.load(k_ptr + k_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + v_offsets, mask=kv_mask, other=0.0)
+        visible = key_ok[None, :] & (keys[None, :] <= row_token[:, None])
+        m_i, l_i, acc = attend_tile(q, k, v, 1.0, 1.0, visible, m_i, l_i, acc, qk_scale, False, False, DOT_PRECISION)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_offsets = (q_start + row_token)[:, None] * stride_o_token + q_heads[:, None] * stride_o_head + dims[None, :]
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton twin of ``reference.paged_prefill_attention``.
+
+    Reads the longest new-token count back to the host (one sync per call) to
+    size the grid; prefill steps are not captured in CUDA graphs.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if any(t.stride(-1) != 1 for t in (q, k, v, k_cache, v_cache)):
+        raise ValueError("q, k, v and the caches need a contiguous last dimension")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    head_dim_pad = padded(head_dim)
+    block_m, block_n, num_warps, num_stages = _CONFIGS.get(head_dim_pad, _DEFAULT_CONFIG)
+    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    ks = k_scale if k_scale is not None else k_cache  # placeholders keep the argument list fixed
+    vs = v_scale if v_scale is not None else v_cache
+    ks_strides = k_scale.stride() if k_scale is not None else (0, 0, 0)
+    vs_strides = v_scale.stride() if v_scale is not None else (0, 0, 0)
+
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_q_len * group, block_m))
+    _prefill_kernel[grid](
+        q, k, v, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seq_lens, out,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], *ks_strides, *vs_strides,
+        block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        K_INT8=k_scale is not None, V_INT8=v_scale is not None, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out

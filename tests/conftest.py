@@ -1,0 +1,84 @@
+"""Shared fixtures: the real bundled model, Hugging Face's reference outputs and the engine's test prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+NUM_NEW_TOKENS = 32
+BLOCK_SIZE = 16
+
+_TEXT = (
+    "The history of computing is a story of abstraction layered on abstraction. Early machines were programmed "
+    "by rewiring panels; then came stored programs, assemblers, compilers and operating systems. Each layer let "
+    "people think about bigger problems while the layer below handled the details. Networks joined the machines "
+    "together, and the web turned them into a library anyone could read. Today large language models answer "
+    "questions, write code and translate between languages, and serving them efficiently has become an "
+    "engineering discipline of its own: batching requests, caching attention keys and values in pages, and "
+    "moving those pages between machines without copying them more than necessary. A good serving system keeps "
+    "the expensive accelerator busy, never wastes memory on padding, and returns the first token quickly. "
+    "Recipes for bread begin with flour, water, salt and yeast; the baker's skill lies in time and temperature. "
+    "Mountains rise where plates collide, and rivers carve valleys over millions of years."
+)
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    from engine.bundled import prepare_default_model
+
+    return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def engine_prompts(tokenizer) -> list[list[int]]:
+    """Eight token-id prompts: shorter than a block, exact multiples of the block size, and many blocks long."""
+    ids = tokenizer.encode(_TEXT)
+    chat = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    lengths_and_offsets = [(5, 0), (BLOCK_SIZE, 3), (2 * BLOCK_SIZE, 40), (BLOCK_SIZE + 1, 90), (47, 20), (100, 7),
+                           (170, 11)]  # fmt: skip
+    prompts = [ids[off : off + n] for n, off in lengths_and_offsets]
+    prompts.append(chat)
+    assert [len(p) for p in prompts[:7]] == [n for n, _ in lengths_and_offsets]
+    return prompts
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # always produce exactly NUM_NEW_TOKENS, like ignore_eos
+    model.config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model, engine_prompts) -> list[list[int]]:
+    """Transformers' greedy continuation of each prompt (one at a time, no padding)."""
+    outputs = []
+    with torch.inference_mode():
+        for prompt in engine_prompts:
+            ids = torch.tensor([prompt])
+            out = hf_model.generate(ids, max_new_tokens=NUM_NEW_TOKENS, do_sample=False, pad_token_id=0)
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="session")
+def llm():
+    from engine import LLM
+
+    return LLM("default", block_size=BLOCK_SIZE, num_blocks=512)
+
+
+def greedy(max_tokens: int = NUM_NEW_TOKENS, **kw):
+    from engine import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
