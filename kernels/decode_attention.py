@@ -28,13 +28,22 @@ import triton.language as tl
 
 from kernels.tiles import LOG2E, attend_tile, dot_precision, load_paged_rows, padded, paged_slots
 
-# head_dim (padded) -> (tokens per tile, num_warps, num_stages). A tile of K and
-# of V is 16 KiB each in 16-bit dtypes, so three stages stay within shared memory
-# with two programs per SM. Untuned defaults for other head dims.
-_CONFIGS = {64: (128, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)}
-_DEFAULT_CONFIG = (64, 4, 2)
+# (head_dim padded, any INT8 cache) -> (tokens per tile, num_warps, num_stages). Chosen from what Triton
+# 3.9 generates for sm_90 (no spills, cp.async loads, registers low enough for 3+ programs per SM), not
+# from measurements. Triton keeps one shared-memory buffer per K/V tile here (the block-table load makes
+# the K/V loads indirect), so load latency is hidden by several resident programs per SM rather than by
+# deep pipelining: a 16-bit tile pair is 32 KiB and uses ~96 registers per thread at 4 warps. INT8
+# tiles upcast in registers, which costs more of them, hence the shorter tiles.
+_CONFIGS = {
+    (64, False): (128, 4, 3),
+    (128, False): (64, 4, 3),
+    (256, False): (32, 4, 3),
+    (64, True): (64, 4, 3),
+    (128, True): (32, 4, 3),
+}
+_DEFAULT_CONFIG = (32, 4, 2)
 _MAX_SPLITS = 64
-_PROGRAMS_PER_SM = 2  # enough resident programs to keep every SM streaming
+_PROGRAMS_PER_SM = 4  # resident programs per SM needed to keep enough loads in flight
 
 
 @functools.cache
@@ -173,11 +182,13 @@ def _decode_reduce_kernel(
     maxes = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
     sums = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
     global_max = tl.max(maxes, 0)
+    global_max = tl.where(global_max > float("-inf"), global_max, 0.0)  # all splits empty: avoid -inf - -inf
     weights = tl.where(sums > 0, tl.exp2(maxes - global_max), 0.0)  # [SPLITS_PAD]
     total = tl.sum(sums * weights, 0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], mask=split_ok[:, None], other=0.0)
     out = tl.sum(acc * weights[:, None], 0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM_PAD]
-    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    out_offsets = seq * stride_o_seq + head * stride_o_head + dims
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 def paged_decode_attention(
@@ -201,11 +212,12 @@ def paged_decode_attention(
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("q, k_cache and v_cache need a contiguous last dimension")
+    if any(t.stride(-1) != 1 for t in (q, k_cache, v_cache, block_tables)):
+        raise ValueError("q, k_cache, v_cache and block_tables need a contiguous last dimension")
     group = num_q_heads // num_kv_heads
     head_dim_pad = padded(head_dim)
-    tile_tokens, num_warps, num_stages = _CONFIGS.get(head_dim_pad, _DEFAULT_CONFIG)
+    is_int8 = k_scale is not None or v_scale is not None
+    tile_tokens, num_warps, num_stages = _CONFIGS.get((head_dim_pad, is_int8), _DEFAULT_CONFIG)
     if num_splits is None:
         max_seq_len = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_tokens, _num_sms(q.device))

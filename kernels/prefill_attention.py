@@ -158,8 +158,8 @@ def paged_prefill_attention(
     num_kv_heads = k.shape[1]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if any(t.stride(-1) != 1 for t in (q, k, v, k_cache, v_cache)):
-        raise ValueError("q, k, v and the caches need a contiguous last dimension")
+    if any(t.stride(-1) != 1 for t in (q, k, v, k_cache, v_cache, block_tables)):
+        raise ValueError("q, k, v, the caches and block_tables need a contiguous last dimension")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:

@@ -82,36 +82,39 @@ def paged_decode_attention(
     """One query token per sequence over its whole paged KV: ``q [num_seqs, num_q_heads, head_dim]``.
 
     All sequences are gathered into one padded batch and masked, which keeps
-    the CPU path to a handful of large tensor ops per layer. A sequence of
+    the CPU path to one gather and one fused attention call per layer. A sequence of
     length 0 (batch padding) gets a zero output.
     """
     num_seqs, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
+    block_size = k_cache.shape[1]
     lens = seq_lens.to(q.device).long()
     max_len = int(lens.max()) if num_seqs else 0
     if max_len == 0:
         return torch.zeros_like(q)
-    num_blocks_needed = (max_len + block_size - 1) // block_size
-    # Table entries past a sequence's last block may hold anything: read block 0 there instead.
-    owned = torch.arange(num_blocks_needed, device=q.device)[None, :] < (lens[:, None] + block_size - 1) // block_size
-    blocks = torch.where(owned, block_tables[:, :num_blocks_needed].long(), 0)
-    k = _gather_batch(k_cache, k_scale, blocks, max_len, q.dtype)  # (seqs, len, kv_heads, dim)
-    v = _gather_batch(v_cache, v_scale, blocks, max_len, q.dtype)
-    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("shgd,slhd->shgl", qg.float(), k.float()) * scale
-    positions = torch.arange(max_len, device=q.device)
-    pad = positions[None, :] >= lens[:, None]  # (seqs, len)
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty sequences: all -inf -> NaN -> 0
-    out = torch.einsum("shgl,slhd->shgd", probs, v.float())
-    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
+    num_blocks = (max_len + block_size - 1) // block_size
+    # Table entries past a sequence's last block may hold anything (even out-of-range ids): read block 0 there.
+    owned = torch.arange(num_blocks, device=q.device)[None, :] < (lens[:, None] + block_size - 1) // block_size
+    blocks = torch.where(owned, block_tables[:, :num_blocks].long(), 0)
+    k = _gather_batch(k_cache, k_scale, blocks, max_len, torch.float32)  # (seqs, len, kv_heads, dim)
+    v = _gather_batch(v_cache, v_scale, blocks, max_len, torch.float32)
+    valid = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]
+    valid[:, 0] |= lens == 0  # an empty sequence attends to a dummy key; its output is zeroed below
+    out = F.scaled_dot_product_attention(
+        q.float()[:, :, None, :],  # (seqs, q_heads, 1, dim)
+        k.transpose(1, 2),  # (seqs, kv_heads, len, dim), a strided view: no copy
+        v.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    out = out[:, :, 0].masked_fill((lens == 0)[:, None, None], 0.0)
+    return out.to(q.dtype)
 
 
 def _gather_batch(cache, scale, blocks, length, dtype):
     num_seqs = blocks.shape[0]
-    values = cache[blocks].view(num_seqs, -1, *cache.shape[2:])[:, :length]
-    token_scale = None if scale is None else scale[blocks].view(num_seqs, -1, scale.shape[-1])[:, :length]
+    values = cache[blocks].reshape(num_seqs, -1, *cache.shape[2:])[:, :length]
+    token_scale = None if scale is None else scale[blocks].reshape(num_seqs, -1, scale.shape[-1])[:, :length]
     return _dequant(values, token_scale, dtype)
 
 

@@ -1,0 +1,141 @@
+"""Compile every kernel variant for a GPU architecture on a machine without a GPU: ``python -m kernels.compile_check``.
+
+Runs each host wrapper on empty CPU tensors with the launch intercepted, then
+hands the exact launch (argument types, constexprs, launch options, and the
+16-byte alignment Triton would see on a GPU) to ``triton.compile`` for
+``--arch`` (default sm_90). Prints registers, register spills, shared memory
+and how the global loads were lowered, and exits non-zero when a variant fails
+to compile or spills registers. Uses Triton internals (``ASTSource``,
+``GPUTarget``, ``JITFunction.run``), so it may need updating with Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from kernels import decode_attention, prefill_attention, store_kv
+
+_POINTER_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int8: "*i8",
+                  torch.int32: "*i32", torch.int64: "*i64"}  # fmt: skip
+
+
+def capture_launches(wrapper, *args, **kwargs) -> list[tuple]:
+    """``(kernel, args, kwargs)`` of every launch ``wrapper(*args, **kwargs)`` makes, without running them."""
+    launches = []
+
+    def record(kernel, *launch_args, grid, warmup, **launch_kwargs):
+        launches.append((kernel, launch_args, launch_kwargs))
+
+    original = JITFunction.run
+    JITFunction.run = record
+    try:
+        wrapper(*args, **kwargs)
+    finally:
+        JITFunction.run = original
+    return launches
+
+
+def compile_launch(kernel, args, kwargs, arch: int):
+    """Compile one captured launch the way the JIT would specialize it on a GPU."""
+    kwargs = dict(kwargs)
+    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages") if name in kwargs}
+    bound = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
+    constexpr_params = {param.num for param in kernel.params if param.is_constexpr}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        value = bound[name]
+        if i in constexpr_params or (isinstance(value, int) and not isinstance(value, bool) and value == 1):
+            signature[name], constexprs[name] = "constexpr", value  # the JIT also specializes ints equal to 1
+        elif isinstance(value, torch.Tensor):
+            signature[name] = _POINTER_TYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]  # CUDA allocations are 256-byte aligned
+        elif isinstance(value, int):
+            signature[name] = "i32"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32"
+    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def resource_usage(compiled) -> dict[str, int]:
+    """Registers, spill stack and local memory per thread, read from the cubin."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        listing = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
+    line = next(line for line in listing.splitlines() if "REG:" in line)
+    fields = dict(item.split(":", 1) for item in line.split() if ":" in item)
+    return {name: int(fields[name]) for name in ("REG", "STACK", "LOCAL")}
+
+
+def _variants(dtype: torch.dtype):
+    """(name, wrapper, args, kwargs) for every kernel, KV cache dtype and head layout the engine uses."""
+    for num_q_heads, num_kv_heads, head_dim in ((32, 8, 128), (14, 2, 64)):
+        for kv_cache_dtype in ("auto", "int8_v", "int8"):
+            cache = torch.empty(64, 16, num_kv_heads, head_dim, dtype=dtype)
+            k_cache = cache.to(torch.int8) if kv_cache_dtype == "int8" else cache
+            v_cache = cache.to(torch.int8) if kv_cache_dtype != "auto" else cache
+            scales = torch.empty(64, 16, num_kv_heads)
+            quant = {"k_scale": scales if kv_cache_dtype == "int8" else None,
+                     "v_scale": scales if kv_cache_dtype != "auto" else None}  # fmt: skip
+            q = torch.empty(100, num_q_heads, head_dim, dtype=dtype)
+            k = torch.empty(100, num_kv_heads, head_dim, dtype=dtype)
+            block_tables = torch.zeros(2, 16, dtype=torch.int32)
+            seq_lens = torch.tensor([70, 90], dtype=torch.int32)
+            cu_seqlens_q = torch.tensor([0, 50, 100], dtype=torch.int32)
+            tag = f"{num_q_heads}:{num_kv_heads} d{head_dim} {kv_cache_dtype}"
+            decode_args = (q[:2], k_cache, v_cache, block_tables, seq_lens, 0.1)
+            for num_splits in (4, 1):  # split-K + reduction, and the single-split path that writes directly
+                yield f"decode {num_splits} split(s) {tag}", decode_attention.paged_decode_attention, decode_args, \
+                    quant | {"num_splits": num_splits}
+            prefill_args = (q, k, k, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 0.1)
+            yield f"prefill {tag}", prefill_attention.paged_prefill_attention, prefill_args, quant
+            store_args = (k, k, k_cache, v_cache, torch.zeros(100, dtype=torch.int64))
+            yield f"store {tag}", store_kv.store_kvcache, store_args, quant
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability without the dot (80, 90, ...)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    options = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET"):
+        print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled", file=sys.stderr)
+        return 2
+    failures = 0
+    seen = set()
+    for name, wrapper, args, kwargs in _variants(getattr(torch, options.dtype)):
+        for kernel, launch_args, launch_kwargs in capture_launches(wrapper, *args, **kwargs):
+            label = f"{name} / {kernel.fn.__name__}"
+            if label in seen:
+                continue
+            seen.add(label)
+            try:
+                usage = resource_usage(compile_launch(kernel, launch_args, launch_kwargs, options.arch))
+            except Exception as error:  # report every variant, then fail
+                failures += 1
+                print(f"FAIL  {label}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+                continue
+            spills = usage["STACK"] + usage["LOCAL"]
+            failures += spills > 0
+            status = "SPILL" if spills else "ok   "
+            print(f"{status} {label:58} regs {usage['REG']:3}  spill bytes {spills}")
+    print(f"sm_{options.arch}: {'all variants compile without spills' if not failures else f'{failures} problem(s)'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""What users touch: the ``kvserve`` command line, benchmarks and (soon) the client library."""
