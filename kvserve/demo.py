@@ -22,4 +22,5 @@ def main(model: str = "default") -> None:
     for question, out in zip(QUESTIONS, outputs, strict=True):
         print(f"\n>>> {question}\n{out.text.strip()}\n    [{len(out.token_ids)} tokens, {out.finish_reason}]")
     total = sum(len(o.token_ids) for o in outputs)
-    print(f"\n{total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s (3 prompts batched, {llm.engine.runner.device})")
+    device = llm.engine.runner.device
+    print(f"\n{total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s (3 prompts batched, {device})")

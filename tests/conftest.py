@@ -40,7 +40,9 @@ def tokenizer(model_dir):
 def engine_prompts(tokenizer) -> list[list[int]]:
     """Eight token-id prompts: shorter than a block, exact multiples of the block size, and many blocks long."""
     ids = tokenizer.encode(_TEXT)
-    chat = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    chat = tokenizer.encode(
+        tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    )
     lengths_and_offsets = [(5, 0), (BLOCK_SIZE, 3), (2 * BLOCK_SIZE, 40), (BLOCK_SIZE + 1, 90), (47, 20), (100, 7),
                            (170, 11)]  # fmt: skip
     prompts = [ids[off : off + n] for n, off in lengths_and_offsets]

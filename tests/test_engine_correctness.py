@@ -85,7 +85,9 @@ def test_stop_conditions(llm, tokenizer):
 
 def test_streamed_deltas_concatenate_to_final_text(llm):
     engine = llm.engine
-    rid = engine.add_request("The three primary colors are", SamplingParams(temperature=0, max_tokens=30, stop=[" and"]))
+    rid = engine.add_request(
+        "The three primary colors are", SamplingParams(temperature=0, max_tokens=30, stop=[" and"])
+    )
     pieces, final = [], None
     while final is None:
         for out in engine.step():

@@ -12,7 +12,9 @@ def _forward(model, kv_layers, tokens, start, block_table, block_size):
     n = len(tokens)
     end = start + n
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor([block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]),
+        slot_mapping=torch.tensor(
+            [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        ),
         block_tables=torch.tensor([block_table], dtype=torch.int32),
         seq_lens=torch.tensor([end], dtype=torch.int32),
         cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
