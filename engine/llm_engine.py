@@ -87,23 +87,66 @@ class LLMEngine:
             )
         return ids
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        kv_destination: tuple[list, list[int]] | None = None,
+        hold_blocks: bool = False,
+    ) -> str:
+        """Queue a request. ``kv_destination`` = (another pool's layers, block ids) also receives its prompt's KV
+        as it is computed; ``hold_blocks`` keeps its blocks after it finishes until ``release``."""
+        seq = self._new_sequence(prompt, params, request_id)
+        seq.kv_destination = kv_destination
+        seq.hold_blocks = hold_blocks
+        self._sequences[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def _new_sequence(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Sequence:
         params = params or SamplingParams()
         params.validate()
         ids = self.tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._sequences:
+        if request_id in self._sequences or self.block_manager.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(
+        return Sequence(
             seq_id=request_id,
             prompt_token_ids=ids,
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
             generator=None if params.seed is None else self.runner.new_generator(params.seed),
         )
+
+    # -- KV computed elsewhere (the decode worker's side of disaggregated prefill) ------------------------
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Allocate blocks for a prompt another worker will prefill; None when the pool cannot hold it now."""
+        if self.block_manager.has(request_id):
+            raise ValueError(f"request id {request_id!r} already holds blocks")
+        if not self.block_manager.allocate(request_id, num_tokens):
+            return None
+        return self.block_manager.block_table(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Free blocks held for ``request_id`` (a reservation, or a finished ``hold_blocks`` request)."""
+        if request_id not in self._sequences:
+            self.block_manager.free(request_id)
+
+    def add_prefilled(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token: int
+    ) -> RequestOutput:
+        """Start decoding a request whose prompt KV was written into its reserved blocks elsewhere."""
+        if not self.block_manager.has(request_id):
+            raise ValueError(f"request {request_id!r} has no reserved blocks")
+        seq = self._new_sequence(prompt_token_ids, params, request_id)
+        seq.block_table = self.block_manager.block_table(request_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
         self._sequences[request_id] = seq
-        self.scheduler.add(seq)
-        return request_id
+        self.scheduler.add_running(seq)
+        return self._append_token(seq, first_token)
 
     def abort(self, request_id: str) -> bool:
         """End a request now and free its blocks; False when it is unknown or already finished."""
@@ -131,16 +174,18 @@ class LLMEngine:
         outputs = []
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens, strict=True):
             seq.num_computed_tokens += n
-            if token is None:
-                continue
-            seq.token_ids.append(token)
-            new_text = seq.detokenizer.add([token])
-            reason = self._check_stop(seq, token, new_text)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                self._sequences.pop(seq.seq_id, None)
-            outputs.append(self._output(seq, [token]))
+            if token is not None:
+                outputs.append(self._append_token(seq, token))
         return outputs
+
+    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.token_ids.append(token)
+        new_text = seq.detokenizer.add([token])
+        reason = self._check_stop(seq, token, new_text)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self._sequences.pop(seq.seq_id, None)
+        return self._output(seq, [token])
 
     def _check_stop(self, seq: Sequence, token: int, new_text: str) -> str | None:
         params = seq.params

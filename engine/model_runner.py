@@ -13,6 +13,7 @@ from engine.sampler import sample
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from kvstore import KVCache, KVCacheSpec
+from kvstore.transfer import KVMirror
 
 
 class ModelRunner:
@@ -98,7 +99,27 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, **to),
             cu_seqlens_q=torch.tensor(cu, **to),
             num_decodes=batch.num_decodes,
+            mirrors=self._mirrors(batch),
         )
+
+    def _mirrors(self, batch: ScheduledBatch) -> list[KVMirror]:
+        """One mirror per destination pool in the batch, mapping each token to its destination slot (or -1)."""
+        by_pool: dict[int, tuple[list, list[int]]] = {}
+        offset = 0
+        total = batch.num_tokens
+        bs = self.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.kv_destination is not None:
+                layers, dst_blocks = seq.kv_destination
+                _, slots = by_pool.setdefault(id(layers), (layers, [-1] * total))
+                for j, p in enumerate(range(seq.num_computed_tokens, seq.num_computed_tokens + n)):
+                    if p // bs < len(dst_blocks):
+                        slots[offset + j] = dst_blocks[p // bs] * bs + p % bs
+            offset += n
+        return [
+            KVMirror(layers, torch.tensor(slots, device=self.device, dtype=torch.int64))
+            for layers, slots in by_pool.values()
+        ]
 
     def _sampling_row(self, seq: Sequence):
         return seq.params, seq.generator or self.generator, seq.token_ids

@@ -44,6 +44,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose prompt KV is already in its blocks joins the running batch directly."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -101,7 +106,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq.seq_id)
-        seq.block_table = []
+        if not seq.hold_blocks:
+            self.block_manager.free(seq.seq_id)
+            seq.block_table = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -39,6 +39,11 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_emitted_chars: int = 0
+    # Prefill for another worker: every token's K/V is also stored into ``kv_destination`` = (that worker's
+    # pool layers, its block ids for this sequence); ``hold_blocks`` keeps our own blocks after finishing
+    # until the caller releases them (to stream them out).
+    kv_destination: tuple[list, list[int]] | None = None
+    hold_blocks: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
