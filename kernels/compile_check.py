@@ -97,10 +97,10 @@ def _variants(dtype: torch.dtype):
             seq_lens = torch.tensor([70, 90], dtype=torch.int32)
             cu_seqlens_q = torch.tensor([0, 50, 100], dtype=torch.int32)
             tag = f"{num_q_heads}:{num_kv_heads} d{head_dim} {kv_cache_dtype}"
+            decode = decode_attention.paged_decode_attention
             decode_args = (q[:2], k_cache, v_cache, block_tables, seq_lens, 0.1)
             for num_splits in (4, 1):  # split-K + reduction, and the single-split path that writes directly
-                yield f"decode {num_splits} split(s) {tag}", decode_attention.paged_decode_attention, decode_args, \
-                    quant | {"num_splits": num_splits}
+                yield f"decode {num_splits} split(s) {tag}", decode, decode_args, quant | {"num_splits": num_splits}
             prefill_args = (q, k, k, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 0.1)
             yield f"prefill {tag}", prefill_attention.paged_prefill_attention, prefill_args, quant
             store_args = (k, k, k_cache, v_cache, torch.zeros(100, dtype=torch.int64))
@@ -110,7 +110,7 @@ def _variants(dtype: torch.dtype):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability without the dot (80, 90, ...)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     options = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled", file=sys.stderr)

@@ -12,6 +12,9 @@ rounded up to whole tiles, so short sequences may have empty splits (more
 splits than pages). An empty split writes ``max = -inf``, ``sum = 0`` and a zero
 accumulator; the reduction kernel gives it weight 0. With one split the first
 kernel normalizes and writes the output itself and the reduction is skipped.
+``num_splits`` is a runtime argument, so a heuristic that changes with the
+batch never triggers a recompile (only the reducer's power-of-two width is
+compiled in).
 
 Numerics: fp32 accumulation, scores in the log2 domain (``exp2``), INT8
 caches dequantized in registers (see ``tiles.attend_tile``). A sequence of
@@ -43,7 +46,7 @@ _CONFIGS = {
 }
 _DEFAULT_CONFIG = (32, 4, 2)
 _MAX_SPLITS = 64
-_PROGRAMS_PER_SM = 4  # resident programs per SM needed to keep enough loads in flight
+_PROGRAMS_PER_SM = 4  # enough loads in flight per SM; ~5 such programs fit on an SM (registers, smem)
 
 
 @functools.cache
@@ -55,12 +58,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_tokens: int, num_sms: int) -> int:
-    """Splits per sequence so that ``num_seqs * num_kv_heads * splits`` programs fill the GPU.
+    """Splits per sequence so that ``num_seqs * num_kv_heads * splits`` programs fill the GPU in one wave.
 
+    Aims at ``_PROGRAMS_PER_SM`` programs per SM without exceeding it (rounding
+    down), because a partial second wave would leave most SMs idle at the end.
     Never more splits than tiles in the longest sequence (each split should get
     work) and never more than ``_MAX_SPLITS`` (bounds the reduction's tile).
     """
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads)
+    wanted = _PROGRAMS_PER_SM * num_sms // (num_seqs * num_kv_heads)
     return max(1, min(wanted, triton.cdiv(max_seq_len, tile_tokens), _MAX_SPLITS))
 
 
@@ -73,11 +78,12 @@ def _decode_split_kernel(
     v_scale_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
-    out_ptr,  # [num_seqs, num_q_heads, HEAD_DIM] (NUM_SPLITS == 1 only)
-    part_acc_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS, HEAD_DIM_PAD] float32, unnormalized
-    part_max_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] float32, log2 domain
-    part_sum_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] float32
+    out_ptr,  # [num_seqs, num_q_heads, HEAD_DIM] (SINGLE_SPLIT only)
+    part_acc_ptr,  # [num_seqs, num_q_heads, num_splits, HEAD_DIM_PAD] float32, unnormalized
+    part_max_ptr,  # [num_seqs, num_q_heads, num_splits] float32, log2 domain
+    part_sum_ptr,  # [num_seqs, num_q_heads, num_splits] float32
     qk_scale,  # softmax scale * log2(e)
+    num_splits,  # a runtime value: changing it does not recompile
     stride_q_seq,
     stride_q_head,
     stride_o_seq,
@@ -101,7 +107,7 @@ def _decode_split_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per page
     BLOCK_N: tl.constexpr,  # tokens per tile
-    NUM_SPLITS: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: normalize and write the output directly
     K_INT8: tl.constexpr,
     V_INT8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -112,7 +118,7 @@ def _decode_split_kernel(
     num_q_heads = tl.num_programs(1) * GROUP
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)  # start >= end: empty split
 
@@ -147,12 +153,12 @@ def _decode_split_kernel(
             q, k, v, k_scales, v_scales, token_ok[None, :], m_i, l_i, acc, qk_scale, K_INT8, V_INT8, DOT_PRECISION
         )
 
-    if NUM_SPLITS == 1:
+    if SINGLE_SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_offsets = seq * stride_o_seq + q_heads[:, None] * stride_o_head + dims[None, :]
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     else:
-        part = (seq * num_q_heads + q_heads) * NUM_SPLITS + split  # [GROUP_PAD]
+        part = (seq * num_q_heads + q_heads) * num_splits + split  # [GROUP_PAD]
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_ok[:, None])
@@ -160,24 +166,24 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_acc_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS, HEAD_DIM_PAD] float32
-    part_max_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] float32
-    part_sum_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] float32
+    part_acc_ptr,  # [num_seqs, num_q_heads, num_splits, HEAD_DIM_PAD] float32
+    part_max_ptr,  # [num_seqs, num_q_heads, num_splits] float32
+    part_sum_ptr,  # [num_seqs, num_q_heads, num_splits] float32
     out_ptr,  # [num_seqs, num_q_heads, HEAD_DIM]
+    num_splits,
     stride_o_seq,
     stride_o_head,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # power of two >= num_splits
 ):
     """Merge the splits of one (sequence, query head); empty splits (sum 0) get weight 0."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < NUM_SPLITS
+    split_ok = splits < num_splits
     dims = tl.arange(0, HEAD_DIM_PAD)
-    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits  # [SPLITS_PAD]
+    part = (seq * tl.num_programs(1) + head) * num_splits + splits  # [SPLITS_PAD]
 
     maxes = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
     sums = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
@@ -239,19 +245,19 @@ def paged_decode_attention(
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, ks, vs, block_tables, seq_lens,
         out, part_acc, part_max, part_sum,
-        scale * LOG2E,
+        scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], *ks_strides, *vs_strides,
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=padded(group), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=tile_tokens, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, BLOCK_N=tile_tokens, SINGLE_SPLIT=num_splits == 1,
         K_INT8=k_scale is not None, V_INT8=v_scale is not None, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
-            part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            part_acc, part_max, part_sum, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
         )  # fmt: skip
     return out

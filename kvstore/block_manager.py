@@ -59,6 +59,12 @@ class BlockManager:
         blocks = self._tables.pop(seq_id, [])
         self.pool.release(list(reversed(blocks)))
 
+    def rename(self, seq_id: str, new_id: str) -> None:
+        """Move ``seq_id``'s blocks to ``new_id`` (e.g. to quarantine blocks a late writer may still touch)."""
+        if new_id in self._tables:
+            raise ValueError(f"{new_id!r} already holds blocks")
+        self._tables[new_id] = self._tables.pop(seq_id)
+
     def slot(self, seq_id: str, position: int) -> int:
         block = self._tables[seq_id][position // self.block_size]
         return block.block_id * self.block_size + position % self.block_size

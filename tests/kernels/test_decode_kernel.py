@@ -15,7 +15,7 @@ from paged_kv_testing import (  # noqa: F401  (interpreted_triton: an autouse fi
 import kernels
 from kernels import reference
 
-# INT8 error bound vs the full-precision reference (unit-normal q, K, V; head_dim 64; scale 1/8):
+# INT8 error bound vs the full-precision reference (unit-normal q, K, V; scale 1/sqrt(head_dim)):
 #   |out - out_fp| <= max(v_scale) / 2 + FP16_ROUNDING + K_PERTURBATION.
 # Rounding moves a cached value by at most half its quantization step, and an
 # attention output is a convex combination of V rows, so V-only quantization
@@ -67,13 +67,16 @@ def test_decode_reads_engine_pool_views():
     assert_matches(out, reference.paged_decode_attention(q, kv.k, kv.v, kv.block_tables, kv.seq_lens, 0.125))
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8_v", "int8"])
-def test_decode_int8_cache_within_bound(kv_cache_dtype):
+@pytest.mark.parametrize(
+    "kv_cache_dtype,group,head_dim,block_size",
+    [("int8_v", 4, 64, 16), ("int8", 4, 64, 16), ("int8_v", 7, 128, 32), ("int8", 3, 128, 32)],
+)
+def test_decode_int8_cache_within_bound(kv_cache_dtype, group, head_dim, block_size):
     generator = torch.Generator().manual_seed(2)
-    kv = make_paged_kv([1, 17, 300], block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float16,
+    kv = make_paged_kv([1, 17, 300], block_size=block_size, num_kv_heads=2, head_dim=head_dim, dtype=torch.float16,
                        kv_cache_dtype=kv_cache_dtype, generator=generator)  # fmt: skip
-    q = random_tensor(3, 8, 64, dtype=torch.float16, generator=generator)
-    args = (kv.block_tables, kv.seq_lens, 0.125)
+    q = random_tensor(3, 2 * group, head_dim, dtype=torch.float16, generator=generator)
+    args = (kv.block_tables, kv.seq_lens, head_dim**-0.5)
 
     out = triton_ops().decode(q, kv.k, kv.v, *args, k_scale=kv.k_scale, v_scale=kv.v_scale, num_splits=3)
 
@@ -100,9 +103,10 @@ def test_public_api_runs_triton():
 @pytest.mark.parametrize(
     "num_seqs,num_kv_heads,max_seq_len,tile_tokens,expected",
     [
-        (256, 8, 2048, 64, 1),  # 2048 programs already fill 132 SMs
-        (64, 8, 2048, 64, 2),
-        (8, 8, 2048, 64, 9),  # 64 programs -> 9 splits of ~230 tokens
+        (256, 8, 2048, 64, 1),  # 2048 programs: several waves already
+        (64, 8, 2048, 64, 1),  # 512 programs fit in one wave; 1024 would leave a ragged second one
+        (64, 2, 2048, 128, 4),
+        (8, 8, 2048, 64, 8),
         (1, 8, 8192, 64, 64),  # capped
         (1, 8, 100, 64, 2),  # never more splits than tiles
     ],
