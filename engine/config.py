@@ -32,6 +32,7 @@ class EngineConfig(BaseSettings):
     max_num_batched_tokens: int = Field(4096, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     seed: int = 0
+    shared_kv_name: str | None = Field(None, description="put the KV pool in a shared-memory file with this name")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -65,6 +65,9 @@ class LLMEngine:
         self._sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        self.runner.close()
+
     # -- requests -----------------------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:

@@ -13,7 +13,7 @@ from engine.sampler import sample
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from kvstore import KVCache, KVCacheSpec
-from kvstore.transfer import KVMirror
+from kvstore.transfer import KVMirror, create_shared_pool
 
 
 class ModelRunner:
@@ -41,8 +41,18 @@ class ModelRunner:
                 raise ValueError(
                     f"a KV budget of {budget} bytes holds no block; one block needs {self.kv_spec.bytes_per_block()}"
                 )
-        self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
+        self.kv_pool_path = None
+        if config.shared_kv_name and self.device.type == "cpu":
+            self.kv_cache, self.kv_pool_path = create_shared_pool(self.kv_spec, num_blocks, config.shared_kv_name)
+        else:
+            self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
+
+    def close(self) -> None:
+        """Remove the shared-memory file of the pool, if there is one (mappings stay valid until dropped)."""
+        if self.kv_pool_path is not None:
+            self.kv_pool_path.unlink(missing_ok=True)
+            self.kv_pool_path = None
 
     @property
     def num_blocks(self) -> int:

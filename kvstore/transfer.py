@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,12 +35,6 @@ def fingerprint(architecture: str, spec: KVCacheSpec, extra: str = "") -> str:
     parts = [architecture, str(spec.dtype), spec.kv_cache_dtype, str(spec.num_layers), str(spec.num_kv_heads),
              str(spec.head_dim), str(spec.block_size), extra]  # fmt: skip
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-def host_id() -> str:
-    """Same value for every process on this machine (and this boot), different across machines."""
-    boot = Path("/proc/sys/kernel/random/boot_id")
-    return f"{socket.gethostname()}:{boot.read_text().strip() if boot.exists() else ''}"
 
 
 def choose_backend(src_host: str, dst_host: str, dst_device: str, dst_has_shm: bool) -> str:

@@ -1,0 +1,1 @@
+"""The decode worker: owns a paged KV pool and runs the continuous-batching loop."""

@@ -1,0 +1,152 @@
+"""The Python client: ``Client("host:port").generate(...)``, ``.stream(...)``, and ``AsyncClient`` for asyncio.
+
+A prompt is text, a list of token ids, or chat messages (a list of ``{"role", "content"}`` dicts,
+rendered with the model's chat template). Errors arrive as ``grpc.RpcError`` with the server's
+status code and message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.kvserve.v1 import kvserve_pb2 as pb
+from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+
+Prompt = str | list[int] | list[dict[str, str]]
+
+
+@dataclass
+class Chunk:
+    """One streamed piece: new token ids and their text; the last one has ``finish_reason``."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    transfer_backend: str = ""
+    decode_worker: str = ""
+    prefill_worker: str = ""
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: dict[str, int]
+    timings: dict[str, float]
+    transfer_backend: str = ""
+    decode_worker: str = ""
+    prefill_worker: str = ""
+
+
+def build_request(
+    prompt: Prompt,
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: list[str] | str | None = None,
+    stop_token_ids: list[int] | None = None,
+    ignore_eos: bool = False,
+    repetition_penalty: float | None = None,
+    request_id: str = "",
+) -> pb.GenerateRequest:
+    sampling = pb.SamplingOptions(
+        stop=[stop] if isinstance(stop, str) else list(stop or []),
+        stop_token_ids=list(stop_token_ids or []),
+        ignore_eos=ignore_eos,
+    )
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
+                        ("top_k", top_k), ("seed", seed), ("repetition_penalty", repetition_penalty)):  # fmt: skip
+        if value is not None:
+            setattr(sampling, name, value)
+    request = pb.GenerateRequest(request_id=request_id, sampling=sampling)
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+    else:
+        request.token_ids.ids.extend(prompt)
+        request.token_ids.SetInParent()  # an empty list is still "token_ids", so the server can say it is empty
+    return request
+
+
+def _chunk(msg: pb.GenerateResponse) -> Chunk:
+    chunk = Chunk(list(msg.token_ids), msg.text)
+    if msg.finish_reason:
+        chunk.finish_reason = msg.finish_reason
+        chunk.usage = {"prompt_tokens": msg.usage.prompt_tokens, "completion_tokens": msg.usage.completion_tokens,
+                       "cached_prompt_tokens": msg.usage.cached_prompt_tokens}  # fmt: skip
+        chunk.timings = {"ttft_ms": msg.timings.ttft_ms, "total_ms": msg.timings.total_ms,
+                         "prefill_ms": msg.timings.prefill_ms, "transfer_ms": msg.timings.transfer_ms}  # fmt: skip
+        chunk.transfer_backend = msg.transfer_backend
+        chunk.decode_worker = msg.decode_worker
+        chunk.prefill_worker = msg.prefill_worker
+    return chunk
+
+
+def _result(chunks: list[Chunk]) -> Result:
+    last = chunks[-1] if chunks else Chunk([], "")
+    return Result(
+        text="".join(c.text for c in chunks),
+        token_ids=[t for c in chunks for t in c.token_ids],
+        finish_reason=last.finish_reason,
+        usage=last.usage,
+        timings=last.timings,
+        transfer_backend=last.transfer_backend,
+        decode_worker=last.decode_worker,
+        prefill_worker=last.prefill_worker,
+    )
+
+
+class Client:
+    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None) -> None:
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.InferenceStub(self._channel)
+        self.timeout_s = timeout_s
+
+    def stream(self, prompt: Prompt, **options) -> Iterator[Chunk]:
+        for msg in self._stub.Generate(build_request(prompt, **options), timeout=self.timeout_s):
+            yield _chunk(msg)
+
+    def generate(self, prompt: Prompt, **options) -> Result:
+        return _result(list(self.stream(prompt, **options)))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None) -> None:
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = pb_grpc.InferenceStub(self._channel)
+        self.timeout_s = timeout_s
+
+    async def stream(self, prompt: Prompt, **options) -> AsyncIterator[Chunk]:
+        async for msg in self._stub.Generate(build_request(prompt, **options), timeout=self.timeout_s):
+            yield _chunk(msg)
+
+    async def generate(self, prompt: Prompt, **options) -> Result:
+        return _result([c async for c in self.stream(prompt, **options)])
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

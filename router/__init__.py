@@ -1,0 +1,1 @@
+"""The public front door: validation, tokenization, routing to decode workers, streaming back."""
