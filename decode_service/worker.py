@@ -106,7 +106,8 @@ class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
     def load(self) -> dict[str, int]:
         bm = self.engine.block_manager
         return {"free_blocks": bm.num_free_blocks, "total_blocks": bm.num_blocks,
-                "num_running": len(self._active) - self._num_waiting, "num_waiting": self._num_waiting}  # fmt: skip
+                "num_running": sum(r.state in ("prefilling", "running") for r in list(self._active.values())),
+                "num_waiting": max(0, self._num_waiting)}  # fmt: skip
 
     def stop(self) -> None:
         self._stop.set()
@@ -250,7 +251,7 @@ class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
             self.engine.release(req.request_id)
             self._start_local(req)
             return
-        backend = self.force_backend or choose_backend(target.host_id, self.host_id, self.info().device,
+        backend = self.force_backend or choose_backend(target.host_id, self.host_id, str(self.engine.runner.device),
                                                        bool(self.shm_path))  # fmt: skip
         req.state, req.prefill_worker, req.backend = "prefilling", target.worker_id, backend
         req.tried.append(target.worker_id)

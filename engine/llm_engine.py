@@ -110,12 +110,14 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq.seq_id
 
-    def _new_sequence(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Sequence:
+    def _new_sequence(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, reserved: bool = False
+    ) -> Sequence:
         params = params or SamplingParams()
         params.validate()
         ids = self.tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._sequences or self.block_manager.has(request_id):
+        if request_id in self._sequences or (self.block_manager.has(request_id) and not reserved):
             raise ValueError(f"request id {request_id!r} is already in use")
         return Sequence(
             seq_id=request_id,
@@ -146,7 +148,7 @@ class LLMEngine:
         """Start decoding a request whose prompt KV was written into its reserved blocks elsewhere."""
         if not self.block_manager.has(request_id):
             raise ValueError(f"request {request_id!r} has no reserved blocks")
-        seq = self._new_sequence(prompt_token_ids, params, request_id)
+        seq = self._new_sequence(prompt_token_ids, params, request_id, reserved=True)
         seq.block_table = self.block_manager.block_table(request_id)
         seq.num_computed_tokens = seq.num_prompt_tokens
         if seq.generator is not None and not params.greedy:

@@ -18,6 +18,34 @@ def _demo(args: argparse.Namespace) -> None:
     demo_main(args.model)
 
 
+def _up(args: argparse.Namespace) -> None:
+    from kvserve.cluster import run_until_signal, start_cluster
+    from kvserve.serving import engine_args_to_argv
+
+    print(f"kvserve: starting {args.prefill} prefill + {args.decode} decode workers and a router...", flush=True)
+    cluster = start_cluster(num_prefill=args.prefill, num_decode=args.decode, port=args.port,
+                            redis_url=args.redis_url, engine_argv=engine_args_to_argv(args))  # fmt: skip
+    redis = "embedded" if cluster.redis is not None else cluster.redis_url
+    print(f"kvserve: serving kvserve.v1.Inference on {cluster.endpoint} (Redis: {redis}); Ctrl-C stops", flush=True)
+    run_until_signal(cluster)
+    print("kvserve: cluster stopped", flush=True)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from kvserve.client import Client
+
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    with Client(args.address) as client:
+        last = None
+        for chunk in client.stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature):
+            print(chunk.text, end="", flush=True)
+            last = chunk
+    if last is not None and last.finish_reason:
+        t = last.timings
+        print(f"\n[{last.finish_reason}; {last.usage.get('completion_tokens')} tokens; TTFT {t['ttft_ms']:.0f} ms; "
+              f"total {t['total_ms']:.0f} ms; KV via {last.transfer_backend}]", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "offline"]:
@@ -39,14 +67,40 @@ def main(argv: list[str] | None = None) -> None:
 
     sub.add_parser("bench", help="benchmarks: 'kvserve bench offline --help'")
 
+    from kvserve.serving import add_engine_args
+
+    up = sub.add_parser("up", help="start a local cluster: Redis, prefill and decode workers, router")
+    up.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    up.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    up.add_argument("--port", type=int, default=50051, help="the router's port (workers use the next ports)")
+    up.add_argument("--redis-url", default=None, help="an existing Redis; default: start an embedded one")
+    add_engine_args(up)
+    up.set_defaults(func=_up)
+
+    gen = sub.add_parser("generate", help="stream an answer from a running cluster")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default="127.0.0.1:50051")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.set_defaults(func=_generate)
+
     args = parser.parse_args(argv)
     if args.command == "bench":
         parser.error("use 'kvserve bench offline [options]'")
+    import grpc
+
     try:
         args.func(args)
     except ValueError as err:
         print(f"kvserve: {err}", file=sys.stderr)
         sys.exit(2)
+    except grpc.RpcError as err:
+        print(f"kvserve: {err.code().name}: {err.details()}", file=sys.stderr)
+        sys.exit(1)
+    except RuntimeError as err:
+        print(f"kvserve: {err}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

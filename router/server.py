@@ -66,7 +66,9 @@ class Router(pb_grpc.InferenceServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is available; is the cluster up?")
         errors = []
         for address in targets[: self.max_attempts]:
-            call = pb_grpc.DecodeStub(self._channel(address)).Generate(call_request, timeout=context.time_remaining())
+            remaining = context.time_remaining()  # effectively infinite when the client set no deadline
+            timeout = remaining if remaining is not None and remaining < 1e6 else None
+            call = pb_grpc.DecodeStub(self._channel(address)).Generate(call_request, timeout=timeout)
             context.add_callback(call.cancel)
             sent = False
             try:

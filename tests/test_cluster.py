@@ -1,0 +1,145 @@
+"""The disaggregated cluster as real processes: router, prefill and decode workers, embedded Redis, gRPC on loopback."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from cluster_utils import cluster
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvserve.client import Client, build_request
+from kvstore.registry import Registry
+
+GREEDY = {"temperature": 0, "max_tokens": 32, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def one_by_one(tmp_path_factory):
+    c = cluster(1, 1, tmp_path_factory.mktemp("logs-1p1d"))
+    yield c
+    c.stop()
+
+
+def test_greedy_through_1p1d_equals_offline_engine(one_by_one, engine_prompts, hf_greedy):
+    with Client(one_by_one.endpoint, timeout_s=120) as client:
+        for prompt, expected in zip(engine_prompts, hf_greedy, strict=True):
+            result = client.generate(prompt, **GREEDY)
+            assert result.token_ids == expected
+            assert result.transfer_backend == "shm" and result.prefill_worker == "prefill-0"
+            assert result.finish_reason == "length" and result.usage["prompt_tokens"] == len(prompt)
+
+
+def test_32_concurrent_requests_all_correct(one_by_one, engine_prompts, hf_greedy):
+    with Client(one_by_one.endpoint, timeout_s=300) as client:
+        with ThreadPoolExecutor(32) as pool:
+            futures = [pool.submit(client.generate, engine_prompts[i % 8], **{**GREEDY, "max_tokens": 12})
+                       for i in range(32)]  # fmt: skip
+            results = [f.result() for f in futures]
+    for i, result in enumerate(results):
+        assert result.token_ids == hf_greedy[i % 8][:12]
+
+
+def test_streaming_text_matches_tokens(one_by_one, tokenizer):
+    with Client(one_by_one.endpoint, timeout_s=60) as client:
+        chunks = list(client.stream("Tell me a story about a dragon.", max_tokens=20, temperature=0))
+    assert len(chunks) == 20 or chunks[-1].finish_reason == "stop"
+    assert chunks[-1].timings["ttft_ms"] > 0
+    text = "".join(c.text for c in chunks)
+    assert text == tokenizer.decode([t for c in chunks for t in c.token_ids])
+
+
+@pytest.mark.parametrize(
+    ("prompt", "options", "message"),
+    [
+        ("", {}, "prompt text is empty"),
+        ([], {}, "prompt token_ids is empty"),
+        ([1, 2, 10**6], {}, r"token ids must be in \[0, 49152\)"),
+        ("hi", {"temperature": -1.0}, "temperature must be >= 0"),
+        ("hi", {"top_p": 2.0}, r"top_p must be in \(0, 1\]"),
+        ("hi", {"max_tokens": 0}, "max_tokens must be a positive integer"),
+        ([{"role": "robot", "content": "hi"}], {}, "role 'robot'"),
+        ("word " * 9000, {}, "the model's context is 8192"),
+    ],
+)
+def test_bad_input_gets_invalid_argument(one_by_one, prompt, options, message):
+    with Client(one_by_one.endpoint, timeout_s=30) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(prompt, **options)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert re.search(message, err.value.details())
+        assert client.generate("Still serving?", max_tokens=2, ignore_eos=True).finish_reason == "length"
+
+
+def test_health_and_reflection_on_every_process(one_by_one):
+    for name, _ in one_by_one.processes:
+        address = name.split("@", 1)[1]
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            answers = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            services = {s.name for a in answers for s in a.list_services_response.service}
+            assert "grpc.health.v1.Health" in services and any(s.startswith("kvserve.v1.") for s in services)
+
+
+def _decode_free_blocks(cluster_) -> tuple[int, int]:
+    registry = Registry(cluster_.redis_url)
+    [worker] = [w for w in registry.workers("decode") if w.worker_id == "decode-0"]
+    return worker.free_blocks, worker.total_blocks
+
+
+def test_cancelled_stream_frees_its_blocks(one_by_one, engine_prompts):
+    with Client(one_by_one.endpoint, timeout_s=60) as client:
+        stream = client._stub.Generate(build_request(engine_prompts[6], max_tokens=500, temperature=0, ignore_eos=True))
+        next(stream), next(stream)
+        deadline = time.monotonic() + 10
+        while _decode_free_blocks(one_by_one)[0] == _decode_free_blocks(one_by_one)[1]:
+            assert time.monotonic() < deadline, "the running request never showed up as used blocks"
+            time.sleep(0.2)
+        stream.cancel()
+    deadline = time.monotonic() + 10
+    while True:
+        free, total = _decode_free_blocks(one_by_one)
+        if free == total:
+            break
+        assert time.monotonic() < deadline, f"{total - free} blocks still held after cancel"
+        time.sleep(0.3)
+
+
+def test_killed_prefill_worker_request_still_completes(one_by_one, engine_prompts, hf_greedy):
+    [(_, prefill)] = [(n, p) for n, p in one_by_one.processes if n.startswith("prefill-0")]
+    prefill.send_signal(signal.SIGKILL)
+    prefill.wait()
+    with Client(one_by_one.endpoint, timeout_s=120) as client:
+        result = client.generate(engine_prompts[5], **GREEDY)  # registry still lists the dead worker for a while
+    assert result.token_ids == hf_greedy[5]
+    assert result.transfer_backend == "local"
+
+
+def test_2p2d_over_grpc_transfer(tmp_path, engine_prompts, hf_greedy):
+    c = cluster(2, 2, tmp_path, decode_argv=["--transfer-backend", "grpc"])
+    try:
+        with Client(c.endpoint, timeout_s=300) as client:
+            with ThreadPoolExecutor(8) as pool:
+                results = list(pool.map(lambda p: client.generate(p, **GREEDY), engine_prompts))
+        assert [r.token_ids for r in results] == hf_greedy
+        assert {r.transfer_backend for r in results} == {"grpc"}
+        assert len({r.decode_worker for r in results}) >= 1
+    finally:
+        c.stop()
+
+
+def test_no_prefill_worker_means_local_prefill(tmp_path, engine_prompts, hf_greedy):
+    c = cluster(0, 1, tmp_path)
+    try:
+        with Client(c.endpoint, timeout_s=120) as client:
+            result = client.generate(engine_prompts[3], **GREEDY)
+        assert result.token_ids == hf_greedy[3] and result.transfer_backend == "local"
+    finally:
+        c.stop()
