@@ -42,8 +42,11 @@ def _generate(args: argparse.Namespace) -> None:
             last = chunk
     if last is not None and last.finish_reason:
         t = last.timings
-        print(f"\n[{last.finish_reason}; {last.usage.get('completion_tokens')} tokens; TTFT {t['ttft_ms']:.0f} ms; "
-              f"total {t['total_ms']:.0f} ms; KV via {last.transfer_backend}]", file=sys.stderr)
+        print(
+            f"\n[{last.finish_reason}; {last.usage.get('completion_tokens')} tokens; TTFT {t['ttft_ms']:.0f} ms; "
+            f"total {t['total_ms']:.0f} ms; KV via {last.transfer_backend}]",
+            file=sys.stderr,
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,13 @@
-"""``make demo``: prepare the bundled model and answer three chat prompts with the offline engine."""
+"""``make demo``: start a local cluster on the bundled model, stream a few chat answers, shut it down.
+
+Three questions go out at once (they share the decode worker's batch); each answer is printed with
+its time to first token (TTFT), time per output token (TPOT) and how its KV reached the decode worker.
+"""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -11,16 +16,34 @@ QUESTIONS = [
 ]
 
 
-def main(model: str = "default") -> None:
-    from engine import LLM, SamplingParams
+def _ask(address: str, question: str) -> tuple[str, str, object, float]:
+    from kvserve.client import Client
 
-    llm = LLM(model)
-    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    start = time.perf_counter()
-    outputs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=128))
-    elapsed = time.perf_counter() - start
-    for question, out in zip(QUESTIONS, outputs, strict=True):
-        print(f"\n>>> {question}\n{out.text.strip()}\n    [{len(out.token_ids)} tokens, {out.finish_reason}]")
-    total = sum(len(o.token_ids) for o in outputs)
-    device = llm.engine.runner.device
-    print(f"\n{total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s (3 prompts batched, {device})")
+    with Client(address, timeout_s=300) as client:
+        start = time.perf_counter()
+        chunks = list(client.stream([{"role": "user", "content": question}], max_tokens=96, temperature=0))
+        return question, "".join(c.text for c in chunks), chunks[-1], time.perf_counter() - start
+
+
+def main(model: str = "default") -> None:
+    from kvserve.cluster import start_cluster
+
+    print("starting the cluster: embedded Redis, 1 prefill worker, 1 decode worker, router ...", flush=True)
+    cluster = start_cluster(engine_argv=["--model", model], port=50051)
+    try:
+        print(f"serving on {cluster.endpoint}\n", flush=True)
+        with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+            answers = list(pool.map(lambda q: _ask(cluster.endpoint, q), QUESTIONS))
+        for question, text, last, _ in answers:
+            n = last.usage["completion_tokens"]
+            ttft = last.timings["ttft_ms"]
+            tpot = (last.timings["total_ms"] - ttft) / max(1, n - 1)
+            print(f">>> {question}\n{text.strip()}")
+            print(f"    [{n} tokens, {last.finish_reason}; TTFT {ttft:.0f} ms, TPOT {tpot:.0f} ms; "
+                  f"KV via {last.transfer_backend} from {last.prefill_worker or 'local prefill'}]\n")  # fmt: skip
+        total = sum(a[2].usage["completion_tokens"] for a in answers)
+        wall = max(a[3] for a in answers)
+        print(f"{total} tokens in {wall:.2f} s ({total / wall:.1f} tokens/s, 3 concurrent requests)")
+    finally:
+        cluster.stop()
+        print("cluster stopped")
