@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50061)
     parser.add_argument("--worker-id", default=None)
+    parser.add_argument("--advertise", default=None, help="host:port peers should dial (default: --host:--port)")
     parser.add_argument("--redis-url", default=None, help="registry; without it every prefill is local")
     parser.add_argument("--max-waiting", type=int, default=64)
     parser.add_argument("--prefill-timeout-s", type=float, default=30.0)
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     config = engine_config_from_args(args)
     engine = LLMEngine(config.model_copy(update={"shared_kv_name": None if args.no_shm else worker_id}))
     server = new_server()
-    address = f"{args.host}:{args.port}"
+    address = args.advertise or f"{args.host}:{args.port}"
     registry = Registry(args.redis_url) if args.redis_url else None
     from decode_service.worker import DecodeWorker
 
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
                           force_backend=args.transfer_backend)  # fmt: skip
     pb_grpc.add_DecodeServicer_to_server(worker, server)
     pb_grpc.add_KVTransferServicer_to_server(worker, server)
-    port, _ = start_server(server, ["kvserve.v1.Decode", "kvserve.v1.KVTransfer"], address)
+    port, _ = start_server(server, ["kvserve.v1.Decode", "kvserve.v1.KVTransfer"], f"{args.host}:{args.port}")
     if registry is not None:
         registry.register(worker.info())
         registry.start_heartbeat(worker.load)

@@ -34,7 +34,7 @@ import grpc
 from engine import LLMEngine, RequestOutput, SamplingParams
 from kvserve.serving import GRPC_OPTIONS, sampling_from_proto
 from kvstore.registry import Registry, WorkerInfo, local_host_id
-from kvstore.transfer import checksum, checksum_blocks, choose_backend, fingerprint, write_blocks
+from kvstore.transfer import checksum, checksum_blocks, choose_backend, export_cuda_ipc, fingerprint, write_blocks
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 
@@ -84,6 +84,9 @@ class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
         self.prefill_timeout_s = prefill_timeout_s
         self.force_backend = force_backend
         self.host_id = local_host_id()
+        self.cuda_ipc_handle = b""
+        if engine.runner.device.type == "cuda":
+            self.cuda_ipc_handle = export_cuda_ipc(engine.runner.kv_cache)
         self.fingerprint = fingerprint(engine.model_config.architecture, engine.runner.kv_spec)
         self._inbox: queue.Queue = queue.Queue()
         self._queued: deque[ActiveRequest] = deque()
@@ -262,7 +265,7 @@ class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
         dest = pb.KVDestination(
             worker_id=self.worker_id, backend=backend, address=self.address, fingerprint=self.fingerprint,
             block_ids=req.block_ids, shm_path=self.shm_path, num_blocks=self.engine.runner.num_blocks,
-            host_id=self.host_id,
+            host_id=self.host_id, cuda_ipc_handle=self.cuda_ipc_handle,
         )  # fmt: skip
         call = pb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
                                  sampling=_sampling_to_proto(req.params), destination=dest)  # fmt: skip

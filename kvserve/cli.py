@@ -51,10 +51,10 @@ def _generate(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["bench", "offline"]:
-        from kvserve.bench_offline import main as bench_main
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in ("offline", "serve", "transfer"):
+        import importlib
 
-        bench_main(argv[2:])
+        importlib.import_module(f"kvserve.bench_{argv[1]}").main(argv[2:])
         return
     parser = argparse.ArgumentParser(prog="kvserve", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--model", default="default")
     demo.set_defaults(func=_demo)
 
-    sub.add_parser("bench", help="benchmarks: 'kvserve bench offline --help'")
+    sub.add_parser("bench", help="benchmarks: 'kvserve bench offline|serve|transfer --help'")
 
     from kvserve.serving import add_engine_args
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parser.parse_args(argv)
     if args.command == "bench":
-        parser.error("use 'kvserve bench offline [options]'")
+        parser.error("use 'kvserve bench offline|serve|transfer [options]'")
     import grpc
 
     try:

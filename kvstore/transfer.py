@@ -19,6 +19,7 @@ blocks and compare. Workers whose ``fingerprint`` differs never exchange KV.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,3 +130,31 @@ def checksum(data: bytes) -> str:
 
 def checksum_blocks(cache: KVCache, block_ids: list[int]) -> str:
     return checksum(read_blocks(cache, block_ids)) if block_ids else ""
+
+
+# -- CUDA IPC pools -----------------------------------------------------------------------------------
+
+
+def export_cuda_ipc(cache: KVCache) -> bytes:
+    """A handle another process on this GPU can open with ``open_cuda_ipc_pool`` (JSON, no pickle)."""
+    storage = cache.buffer.untyped_storage()
+    device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = storage._share_cuda_()
+    fields = {"device": device, "handle": handle.hex(), "size": size, "offset": offset,
+              "ref_handle": ref_handle.hex(), "ref_offset": ref_offset, "event_handle": event_handle.hex(),
+              "event_sync": bool(event_sync), "nbytes": cache.nbytes}  # fmt: skip
+    return json.dumps(fields).encode()
+
+
+def open_cuda_ipc_pool(spec: KVCacheSpec, num_blocks: int, exported: bytes) -> KVCache:
+    """Open another process's pool on the same GPU: device-to-device writes land in its memory."""
+    f = json.loads(exported)
+    nbytes = spec.total_bytes(num_blocks)
+    if f["nbytes"] != nbytes:
+        raise ValueError(f"exported KV pool has {f['nbytes']} bytes, expected {nbytes}: layouts differ")
+    storage = torch.UntypedStorage._new_shared_cuda(
+        f["device"], bytes.fromhex(f["handle"]), f["size"], f["offset"], bytes.fromhex(f["ref_handle"]),
+        f["ref_offset"], bytes.fromhex(f["event_handle"]), f["event_sync"],
+    )  # fmt: skip
+    device = torch.device("cuda", f["device"])
+    buffer = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
+    return KVCache(spec, num_blocks, device, buffer=buffer)

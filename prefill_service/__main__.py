@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50071)
     parser.add_argument("--worker-id", default=None)
+    parser.add_argument("--advertise", default=None, help="host:port peers should dial (default: --host:--port)")
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--max-batch-tokens", type=int, default=4096)
     parser.add_argument("--max-wait-ms", type=float, default=20.0)
@@ -29,9 +30,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine(engine_config_from_args(args))
     worker = PrefillWorker(engine, worker_id, args.max_batch_tokens, args.max_wait_ms)
     server = new_server()
-    address = f"{args.host}:{args.port}"
+    address = args.advertise or f"{args.host}:{args.port}"
     pb_grpc.add_PrefillServicer_to_server(worker, server)
-    start_server(server, ["kvserve.v1.Prefill"], address)
+    start_server(server, ["kvserve.v1.Prefill"], f"{args.host}:{args.port}")
     registry = None
     if args.redis_url:
         registry = Registry(args.redis_url)

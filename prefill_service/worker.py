@@ -29,7 +29,14 @@ import grpc
 from engine import LLMEngine, SamplingParams
 from kvserve.serving import sampling_from_proto
 from kvstore.kv_cache import KVCache
-from kvstore.transfer import checksum, checksum_blocks, fingerprint, open_shared_pool, read_blocks
+from kvstore.transfer import (
+    checksum,
+    checksum_blocks,
+    fingerprint,
+    open_cuda_ipc_pool,
+    open_shared_pool,
+    read_blocks,
+)
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 
@@ -96,6 +103,11 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                 pool = self._open_pool(dest.shm_path, dest.num_blocks)
             except (OSError, ValueError) as err:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot map the decode worker's KV pool: {err}")
+        elif dest.backend == "cuda_ipc":
+            try:
+                pool = self._open_ipc_pool(dest.worker_id, dest.cuda_ipc_handle, dest.num_blocks)
+            except (RuntimeError, ValueError) as err:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the decode worker's CUDA pool: {err}")
         elif dest.backend != "grpc":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"transfer backend {dest.backend!r} is not served here")
         job = PrefillJob(request.request_id, prompt, params, dest, pool)
@@ -106,7 +118,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {err}")
         start = time.perf_counter()
         dst_blocks = list(dest.block_ids)[: self.engine.block_manager.num_blocks_for(len(prompt))]
-        if dest.backend == "shm":
+        if pool is not None:  # shm or cuda_ipc: the bytes are already in the decode worker's pool
             digest = checksum_blocks(pool, dst_blocks)
         else:
             digest = self._push(dest, request.request_id, dst_blocks, result.block_bytes)
@@ -125,6 +137,13 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             if path not in self._pools:
                 self._pools[path] = open_shared_pool(self.engine.runner.kv_spec, num_blocks, path)
             return self._pools[path]
+
+    def _open_ipc_pool(self, worker_id: str, handle: bytes, num_blocks: int) -> KVCache:
+        key = f"cuda_ipc:{worker_id}:{handle[:64].hex()}"
+        with self._pools_lock:
+            if key not in self._pools:
+                self._pools[key] = open_cuda_ipc_pool(self.engine.runner.kv_spec, num_blocks, handle)
+            return self._pools[key]
 
     def _push(self, dest: pb.KVDestination, request_id: str, dst_blocks: list[int], data: bytes) -> str:
         per_block = len(data) // len(dst_blocks)

@@ -1,0 +1,99 @@
+"""KV hand-off cost for one prompt's KV: ``shm`` (stores into a mapped pool) and ``grpc`` (chunks to PushKV).
+
+    kvserve bench transfer [--tokens 2048] [--repeats 5]
+
+shm: the prefill worker's attention layers store every new token's K and V into the decode worker's
+mapped pool file: the time of those stores for all layers is the whole transfer. grpc: read the
+blocks out of the prefill pool, stream them to a real decode worker's ``PushKV`` over loopback, which
+verifies each chunk and writes it into its pool. Both on the bundled model's KV layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="kvserve bench transfer", description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    import grpc
+
+    import kernels
+    from decode_service.worker import DecodeWorker
+    from engine import LLMEngine
+    from kvserve.serving import GRPC_OPTIONS, new_server, start_server
+    from kvstore import KVCache
+    from kvstore.transfer import checksum, create_shared_pool, open_shared_pool, read_blocks
+    from protos.kvserve.v1 import kvserve_pb2 as pb
+    from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+
+    block_size = 16
+    num_blocks = args.tokens // block_size + 8
+    decode = LLMEngine(model="default", num_blocks=num_blocks, block_size=block_size)
+    spec = decode.runner.kv_spec
+    blocks = list(range(args.tokens // block_size))
+    nbytes = len(blocks) * spec.bytes_per_block()
+    print(f"{args.tokens} tokens of {decode.model_config.architecture} KV: {nbytes / 2**20:.1f} MiB "
+          f"({spec.num_layers} layers, {spec.num_kv_heads} KV heads x {spec.head_dim}, {spec.dtype})")  # fmt: skip
+
+    # shm: one store per layer of this prompt's K and V into a mapped pool file
+    pool, path = create_shared_pool(spec, num_blocks, "bench")
+    try:
+        mapped = open_shared_pool(spec, num_blocks, path)
+        k = torch.randn(args.tokens, spec.num_kv_heads, spec.head_dim)
+        v = torch.randn_like(k)
+        slots = torch.arange(args.tokens)
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            for layer in mapped.layers:
+                kernels.store_kvcache(k, v, layer.k_cache, layer.v_cache, slots)
+            times.append(time.perf_counter() - start)
+        shm = statistics.median(times)
+    finally:
+        path.unlink()
+
+    # grpc: a real decode worker's PushKV on loopback
+    source = KVCache(spec, num_blocks, "cpu")
+    source.buffer.copy_(torch.randint(0, 255, source.buffer.shape, dtype=torch.uint8))
+    worker = DecodeWorker(decode, "bench-decode", "127.0.0.1:0")
+    server = new_server()
+    pb_grpc.add_KVTransferServicer_to_server(worker, server)
+    port, _ = start_server(server, ["kvserve.v1.KVTransfer"], "127.0.0.1:0")
+    times = []
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel:
+            stub = pb_grpc.KVTransferStub(channel)
+            for i in range(args.repeats):
+                rid = f"bench-{i}"
+                worker._active[rid] = type("R", (), {"block_ids": blocks})()  # a reservation, as the loop makes
+                start = time.perf_counter()
+                data = read_blocks(source, blocks)
+                per_block = len(data) // len(blocks)
+                chunks = [pb.KVChunk(request_id=rid, fingerprint=worker.fingerprint, block_ids=blocks[j : j + 16],
+                                     data=data[j * per_block : (j + 16) * per_block],
+                                     checksum=checksum(data[j * per_block : (j + 16) * per_block]))
+                          for j in range(0, len(blocks), 16)]  # fmt: skip
+                reply = stub.PushKV(iter(chunks), timeout=60)
+                times.append(time.perf_counter() - start)
+                assert reply.checksum == checksum(data)
+                del worker._active[rid]
+    finally:
+        server.stop(0)
+        worker.stop()
+    rpc = statistics.median(times)
+    print(f"{'backend':8}{'latency ms':>12}{'GB/s':>8}")
+    print(f"{'shm':8}{shm * 1e3:12.1f}{nbytes / shm / 1e9:8.2f}")
+    print(f"{'grpc':8}{rpc * 1e3:12.1f}{nbytes / rpc / 1e9:8.2f}")
+    print(f"shm is {rpc / shm:.1f}x faster than grpc for this hand-off")
+
+
+if __name__ == "__main__":
+    main()
