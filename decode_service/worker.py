@@ -197,12 +197,9 @@ class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
             self._num_waiting -= 1
 
     def _idle_wait_s(self) -> float:
-        """How long the loop may sleep on its inbox: not at all while the engine has work."""
-        if self.engine.has_unfinished_requests():
-            return 0.0
-        if self._queued or any(r.state == "prefilling" for r in self._active.values()):
-            return 0.002
-        return 0.05
+        """How long the loop may sleep on its inbox: not at all while the engine has work. A finishing
+        prefill call wakes it through the inbox, so in-flight prefills need no polling."""
+        return 0.0 if self.engine.has_unfinished_requests() else 0.05
 
     def _drain_inbox(self) -> None:
         wait = self._idle_wait_s()
@@ -212,7 +209,9 @@ class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
             return
         while True:
             kind, req = item
-            if kind == "add":
+            if kind == "wake":
+                pass
+            elif kind == "add":
                 self._active[req.request_id] = req
                 self._queued.append(req)
             else:
@@ -270,6 +269,7 @@ class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
         call = pb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
                                  sampling=_sampling_to_proto(req.params), destination=dest)  # fmt: skip
         req.future = self._prefill_pool.submit(_call_prefill, target.address, call, self.prefill_timeout_s)
+        req.future.add_done_callback(lambda _: self._inbox.put(("wake", req)))
 
     def _pick_prefill_worker(self, req: ActiveRequest) -> WorkerInfo | None:
         if self.registry is None:

@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> None:
     import grpc
 
     import kernels
-    from decode_service.worker import DecodeWorker
-    from engine import LLMEngine
+    from decode_service.worker import ActiveRequest, DecodeWorker
+    from engine import LLMEngine, SamplingParams
     from kvserve.serving import GRPC_OPTIONS, new_server, start_server
     from kvstore import KVCache
     from kvstore.transfer import checksum, create_shared_pool, open_shared_pool, read_blocks
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     source = KVCache(spec, num_blocks, "cpu")
     source.buffer.copy_(torch.randint(0, 255, source.buffer.shape, dtype=torch.uint8))
     worker = DecodeWorker(decode, "bench-decode", "127.0.0.1:0")
+    worker.stop()  # only its PushKV handler is needed; reservations are entered below as its loop would
     server = new_server()
     pb_grpc.add_KVTransferServicer_to_server(worker, server)
     port, _ = start_server(server, ["kvserve.v1.KVTransfer"], "127.0.0.1:0")
@@ -73,7 +74,9 @@ def main(argv: list[str] | None = None) -> None:
             stub = pb_grpc.KVTransferStub(channel)
             for i in range(args.repeats):
                 rid = f"bench-{i}"
-                worker._active[rid] = type("R", (), {"block_ids": blocks})()  # a reservation, as the loop makes
+                worker._active[rid] = ActiveRequest(
+                    rid, rid, [], SamplingParams(), state="prefilling", block_ids=blocks
+                )
                 start = time.perf_counter()
                 data = read_blocks(source, blocks)
                 per_block = len(data) // len(blocks)
@@ -87,7 +90,6 @@ def main(argv: list[str] | None = None) -> None:
                 del worker._active[rid]
     finally:
         server.stop(0)
-        worker.stop()
     rpc = statistics.median(times)
     print(f"{'backend':8}{'latency ms':>12}{'GB/s':>8}")
     print(f"{'shm':8}{shm * 1e3:12.1f}{nbytes / shm / 1e9:8.2f}")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 
 from kvstore.kv_cache import KVCache, KVCacheSpec, LayerKV
 
@@ -125,11 +126,22 @@ def write_blocks(cache: KVCache, block_ids: list[int], data: bytes) -> None:
 
 
 def checksum(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    """xxh3-128 of ``data``: fast enough (~10 GB/s) to verify every hand-off."""
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 def checksum_blocks(cache: KVCache, block_ids: list[int]) -> str:
-    return checksum(read_blocks(cache, block_ids)) if block_ids else ""
+    """``checksum(read_blocks(cache, block_ids))``, hashed in place on the CPU (no copy of the blocks)."""
+    if not block_ids:
+        return ""
+    if cache.buffer.device.type != "cpu":
+        return checksum(read_blocks(cache, block_ids))
+    hasher = xxhash.xxh3_128()
+    regions = [t for layer in cache.layers for t in _regions(layer)]
+    for block in block_ids:
+        for t in regions:
+            hasher.update(t[block].view(torch.uint8).numpy())
+    return hasher.hexdigest()
 
 
 # -- CUDA IPC pools -----------------------------------------------------------------------------------
