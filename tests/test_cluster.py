@@ -112,6 +112,22 @@ def test_cancelled_stream_frees_its_blocks(one_by_one, engine_prompts):
         time.sleep(0.3)
 
 
+def test_async_client_mirrors_the_sync_one(one_by_one, engine_prompts, hf_greedy):
+    import asyncio
+
+    from kvserve.client import AsyncClient
+
+    async def ask():
+        async with AsyncClient(one_by_one.endpoint, timeout_s=120) as client:
+            results = await asyncio.gather(*(client.generate(p, **GREEDY) for p in engine_prompts[:3]))
+            chunks = [c async for c in client.stream(engine_prompts[0], **GREEDY)]
+        return results, chunks
+
+    results, chunks = asyncio.run(ask())
+    assert [r.token_ids for r in results] == hf_greedy[:3]
+    assert [t for c in chunks for t in c.token_ids] == hf_greedy[0] and chunks[-1].finish_reason == "length"
+
+
 def test_killed_prefill_worker_request_still_completes(one_by_one, engine_prompts, hf_greedy):
     [(_, prefill)] = [(n, p) for n, p in one_by_one.processes if n.startswith("prefill-0")]
     prefill.send_signal(signal.SIGKILL)
