@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
+import xxhash
 
 from engine import LLMEngine, RequestOutput, SamplingParams
 from kvserve.serving import GRPC_OPTIONS, sampling_from_proto
@@ -148,7 +149,7 @@ class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
             yield item
 
     def PushKV(self, request_iterator, context: grpc.ServicerContext) -> pb.PushKVResponse:
-        everything, num_chunks = [], 0
+        hasher, num_chunks, num_bytes = xxhash.xxh3_128(), 0, 0
         for chunk in request_iterator:
             if chunk.fingerprint != self.fingerprint:
                 context.abort(
@@ -169,10 +170,10 @@ class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
                 write_blocks(self.engine.runner.kv_cache, list(chunk.block_ids), chunk.data)
             except ValueError as err:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-            everything.append(chunk.data)
+            hasher.update(chunk.data)
             num_chunks += 1
-        data = b"".join(everything)
-        return pb.PushKVResponse(num_chunks=num_chunks, num_bytes=len(data), checksum=checksum(data))
+            num_bytes += len(chunk.data)
+        return pb.PushKVResponse(num_chunks=num_chunks, num_bytes=num_bytes, checksum=hasher.hexdigest())
 
     # -- the loop -------------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine import LLMEngine, SamplingParams
     from kvserve.serving import GRPC_OPTIONS, new_server, start_server
     from kvstore import KVCache
-    from kvstore.transfer import checksum, create_shared_pool, open_shared_pool, read_blocks
+    from kvstore.transfer import checksum, checksum_blocks, chunked, create_shared_pool, open_shared_pool, read_blocks
     from protos.kvserve.v1 import kvserve_pb2 as pb
     from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 
@@ -78,15 +78,14 @@ def main(argv: list[str] | None = None) -> None:
                     rid, rid, [], SamplingParams(), state="prefilling", block_ids=blocks
                 )
                 start = time.perf_counter()
-                data = read_blocks(source, blocks)
-                per_block = len(data) // len(blocks)
-                chunks = [pb.KVChunk(request_id=rid, fingerprint=worker.fingerprint, block_ids=blocks[j : j + 16],
-                                     data=data[j * per_block : (j + 16) * per_block],
-                                     checksum=checksum(data[j * per_block : (j + 16) * per_block]))
-                          for j in range(0, len(blocks), 16)]  # fmt: skip
+                parts = [(chunk, read_blocks(source, chunk)) for chunk in chunked(blocks)]
+                chunks = [pb.KVChunk(request_id=rid, fingerprint=worker.fingerprint, block_ids=chunk, data=data,
+                                     checksum=checksum(data)) for chunk, data in parts]  # fmt: skip
                 reply = stub.PushKV(iter(chunks), timeout=60)
                 times.append(time.perf_counter() - start)
-                assert reply.checksum == checksum(data)
+                assert (
+                    reply.checksum == checksum_blocks(source, blocks) == checksum_blocks(decode.runner.kv_cache, blocks)
+                )
                 del worker._active[rid]
     finally:
         server.stop(0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ import xxhash
 from kvstore.kv_cache import KVCache, KVCacheSpec, LayerKV
 
 SHM_DIR = Path("/dev/shm")
+CHUNK_BLOCKS = 16  # blocks per gRPC KV chunk (about 12 MB for the bundled model in float32)
 
 
 def fingerprint(architecture: str, spec: KVCacheSpec, extra: str = "") -> str:
@@ -93,21 +95,36 @@ class KVMirror:
 # -- block bytes (grpc backend and checksums) ---------------------------------------------------------
 
 
-def _regions(layer: LayerKV) -> list[torch.Tensor]:
-    return [t for t in (layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale) if t is not None]
+def _regions(cache: KVCache) -> list[torch.Tensor]:
+    """Every layer's K, V (and scale) regions, each viewed as ``(num_blocks, bytes per block)`` uint8."""
+    regions = []
+    for layer in cache.layers:
+        for t in (layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale):
+            if t is not None:
+                regions.append(t.view(t.shape[0], -1).view(torch.uint8))
+    return regions
 
 
 def block_nbytes(cache: KVCache) -> int:
     """Bytes of one block across every layer and region."""
-    return sum(t[0].numel() * t.element_size() for layer in cache.layers for t in _regions(layer))
+    return sum(r.shape[1] for r in _regions(cache))
 
 
 def read_blocks(cache: KVCache, block_ids: list[int]) -> bytes:
-    """The blocks' bytes: for each block in order, every layer's regions (K, V, then scales)."""
-    index = torch.tensor(block_ids, dtype=torch.long, device=cache.buffer.device)
-    per_region = [t.index_select(0, index).view(len(block_ids), -1).view(torch.uint8)
-                  for layer in cache.layers for t in _regions(layer)]  # fmt: skip
-    return torch.cat(per_region, dim=1).cpu().numpy().tobytes()
+    """The blocks' bytes, region-major: for each layer's K, V (then scales), those blocks in order.
+
+    Region-major keeps every region's part one contiguous run, so reading and writing are one
+    ``index_select`` / ``index_copy_`` per region straight between the pool and the byte buffer.
+    """
+    device = cache.buffer.device
+    index = torch.tensor(block_ids, dtype=torch.long, device=device)
+    out = torch.empty(len(block_ids) * block_nbytes(cache), dtype=torch.uint8, device=device)
+    offset = 0
+    for region in _regions(cache):
+        size = len(block_ids) * region.shape[1]
+        torch.index_select(region, 0, index, out=out[offset : offset + size].view(len(block_ids), -1))
+        offset += size
+    return out.cpu().numpy().tobytes()
 
 
 def write_blocks(cache: KVCache, block_ids: list[int], data: bytes) -> None:
@@ -115,14 +132,15 @@ def write_blocks(cache: KVCache, block_ids: list[int], data: bytes) -> None:
     n = len(block_ids)
     if len(data) != n * block_nbytes(cache):
         raise ValueError(f"KV chunk holds {len(data)} bytes, {n} blocks need {n * block_nbytes(cache)}")
-    rows = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(n, -1).to(cache.buffer.device)
+    with warnings.catch_warnings():  # read-only source: torch warns that it cannot write to ``bytes``
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.frombuffer(data, dtype=torch.uint8).to(cache.buffer.device)
     index = torch.tensor(block_ids, dtype=torch.long, device=cache.buffer.device)
     offset = 0
-    for layer in cache.layers:
-        for t in _regions(layer):
-            width = t[0].numel() * t.element_size()
-            t.view(t.shape[0], -1).view(torch.uint8).index_copy_(0, index, rows[:, offset : offset + width])
-            offset += width
+    for region in _regions(cache):
+        size = n * region.shape[1]
+        region.index_copy_(0, index, source[offset : offset + size].view(n, -1))
+        offset += size
 
 
 def checksum(data: bytes) -> str:
@@ -130,18 +148,25 @@ def checksum(data: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+def chunked(block_ids: list[int]) -> list[list[int]]:
+    """How a hand-off splits its blocks into chunks of ``CHUNK_BLOCKS``."""
+    return [block_ids[i : i + CHUNK_BLOCKS] for i in range(0, len(block_ids), CHUNK_BLOCKS)]
+
+
 def checksum_blocks(cache: KVCache, block_ids: list[int]) -> str:
-    """``checksum(read_blocks(cache, block_ids))``, hashed in place on the CPU (no copy of the blocks)."""
-    if not block_ids:
-        return ""
-    if cache.buffer.device.type != "cpu":
-        return checksum(read_blocks(cache, block_ids))
+    """The checksum of a hand-off of ``block_ids``: of ``read_blocks`` of each chunk, in order.
+
+    On the CPU it hashes the pool in place, without copying the blocks out.
+    """
     hasher = xxhash.xxh3_128()
-    regions = [t for layer in cache.layers for t in _regions(layer)]
-    for block in block_ids:
-        for t in regions:
-            hasher.update(t[block].view(torch.uint8).numpy())
-    return hasher.hexdigest()
+    for chunk in chunked(block_ids):
+        if cache.buffer.device.type != "cpu":
+            hasher.update(read_blocks(cache, chunk))
+            continue
+        for region in _regions(cache):
+            for block in chunk:
+                hasher.update(region[block].numpy())
+    return hasher.hexdigest() if block_ids else ""
 
 
 # -- CUDA IPC pools -----------------------------------------------------------------------------------

@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine import LLMEngine, SamplingParams
-from kvserve.serving import sampling_from_proto
+from kvserve.serving import GRPC_OPTIONS, sampling_from_proto
 from kvstore.kv_cache import KVCache
 from kvstore.transfer import (
     checksum,
     checksum_blocks,
+    chunked,
     fingerprint,
     open_cuda_ipc_pool,
     open_shared_pool,
@@ -41,7 +42,6 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-PUSH_CHUNK_BLOCKS = 16
 
 
 @dataclass
@@ -58,7 +58,7 @@ class PrefillJob:
 @dataclass
 class PrefillResult:
     first_token: int
-    block_bytes: bytes | None  # grpc only: our blocks' bytes, in destination order
+    chunks: list[bytes] | None  # grpc only: our blocks' bytes, as chunked() splits them
     prefill_ms: float
 
 
@@ -113,7 +113,8 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         job = PrefillJob(request.request_id, prompt, params, dest, pool)
         self._jobs.put(job)
         try:
-            result: PrefillResult = job.future.result(timeout=context.time_remaining())
+            remaining = context.time_remaining()  # effectively infinite when the caller set no deadline
+            result: PrefillResult = job.future.result(timeout=remaining if remaining < 1e6 else None)
         except Exception as err:  # noqa: BLE001 - reported to the caller as the RPC's status
             context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {err}")
         start = time.perf_counter()
@@ -121,7 +122,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         if pool is not None:  # shm or cuda_ipc: the bytes are already in the decode worker's pool
             digest = checksum_blocks(pool, dst_blocks)
         else:
-            digest = self._push(dest, request.request_id, dst_blocks, result.block_bytes)
+            digest = self._push(dest, request.request_id, dst_blocks, result.chunks)
         return pb.PrefillResponse(
             first_token_id=result.first_token,
             checksum=digest,
@@ -145,24 +146,21 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                 self._pools[key] = open_cuda_ipc_pool(self.engine.runner.kv_spec, num_blocks, handle)
             return self._pools[key]
 
-    def _push(self, dest: pb.KVDestination, request_id: str, dst_blocks: list[int], data: bytes) -> str:
-        per_block = len(data) // len(dst_blocks)
+    def _push(self, dest: pb.KVDestination, request_id: str, dst_blocks: list[int], chunks: list[bytes]) -> str:
+        dst_chunks = chunked(dst_blocks)
 
-        def chunks():
-            for i in range(0, len(dst_blocks), PUSH_CHUNK_BLOCKS):
-                part = data[i * per_block : (i + PUSH_CHUNK_BLOCKS) * per_block]
+        def messages():
+            for i, data in enumerate(chunks):
                 yield pb.KVChunk(
                     request_id=request_id,
                     fingerprint=self.fingerprint,
-                    block_ids=dst_blocks[i : i + PUSH_CHUNK_BLOCKS],
-                    data=part,
-                    checksum=checksum(part),
+                    block_ids=dst_chunks[i],
+                    data=data,
+                    checksum=checksum(data),
                 )
 
-        from kvserve.serving import GRPC_OPTIONS
-
         with grpc.insecure_channel(dest.address, options=GRPC_OPTIONS) as channel:
-            reply = pb_grpc.KVTransferStub(channel).PushKV(chunks(), timeout=30)
+            reply = pb_grpc.KVTransferStub(channel).PushKV(messages(), timeout=30)
         return reply.checksum
 
     # -- batcher --------------------------------------------------------------------------------------
@@ -223,7 +221,8 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                     job = pending.pop(out.request_id)
                     data = None
                     if job.dest_pool is None:
-                        data = read_blocks(engine.runner.kv_cache, engine.block_manager.block_table(out.request_id))
+                        table = engine.block_manager.block_table(out.request_id)
+                        data = [read_blocks(engine.runner.kv_cache, part) for part in chunked(table)]
                     engine.release(out.request_id)
                     job.future.set_result(PrefillResult(out.token_ids[0], data, (time.perf_counter() - start) * 1e3))
         except Exception as err:  # noqa: BLE001 - fail the whole batch, keep the worker alive

@@ -13,6 +13,7 @@ from kvstore import KVCache, KVCacheSpec
 from kvstore.transfer import (
     checksum,
     checksum_blocks,
+    chunked,
     create_shared_pool,
     fingerprint,
     open_shared_pool,
@@ -82,6 +83,9 @@ def test_block_bytes_round_trip_exactly():
     write_blocks(dst, [0, 5, 3], data)
     assert read_blocks(dst, [0, 5, 3]) == data
     assert checksum_blocks(dst, [0, 5, 3]) == checksum_blocks(src, [7, 2, 9]) == checksum(data)
+    many_src, many_dst = list(range(10)) * 2, [0, 1, 2, 3, 4, 5] * 3 + [0, 1]  # 20 blocks: two chunks
+    assert checksum_blocks(src, many_src) == checksum(b"".join(read_blocks(src, c) for c in chunked(many_src)))
+    assert checksum_blocks(src, many_src) != checksum_blocks(dst, many_dst)
     with pytest.raises(ValueError, match="KV chunk holds"):
         write_blocks(dst, [1], data)
 
