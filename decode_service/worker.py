@@ -93,6 +93,7 @@ class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
         self._queued: deque[ActiveRequest] = deque()
         self._active: dict[str, ActiveRequest] = {}
         self._quarantine: list[tuple[float, str]] = []
+        self.num_quarantined = 0  # reservations held back from a prefill that may still write
         self._prefill_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="prefill-call")
         self._stop = threading.Event()
         self._num_waiting = 0
@@ -294,10 +295,10 @@ class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
             if self.registry is not None:
                 self.registry.delete_lease(req.request_id)
             if req.cancelled:
-                self._release_after(req, done)
+                self._release_after(req, done and not req.future.exception())
                 self._done(req)
                 continue
-            error = None
+            error, writer_done = None, False
             if done:
                 try:
                     reply: pb.PrefillResponse = req.future.result()
@@ -305,6 +306,8 @@ class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
                         error = "checksum of the written KV does not match"
                 except grpc.RpcError as err:
                     error = f"{err.code().name}: {err.details()}"
+                    # refused up front: the prefill worker never queued it, so it will never write
+                    writer_done = err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
             else:
                 error = "lease expired"
             if error is None:
@@ -313,7 +316,7 @@ class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
                 self._emit(self.engine.add_prefilled(req.request_id, req.prompt, req.params, reply.first_token_id))
                 continue
             log.warning("prefill of %s on %s failed (%s); retrying", req.request_id, req.prefill_worker, error)
-            self._release_after(req, done)
+            self._release_after(req, writer_done)
             req.block_ids = self.engine.reserve(req.request_id, len(req.prompt)) or []
             if req.block_ids:
                 self._submit_prefill(req)
@@ -331,6 +334,7 @@ class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
             stale = f"{req.request_id}#stale-{time.monotonic_ns()}"
             self.engine.block_manager.rename(req.request_id, stale)
             self._quarantine.append((time.monotonic() + self.prefill_timeout_s, stale))
+            self.num_quarantined += 1
 
     def _free_quarantine(self) -> None:
         now = time.monotonic()

@@ -53,6 +53,7 @@ class PrefillJob:
     dest_pool: KVCache | None
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False  # the caller gave up: never start it, or stop it at the next step
 
 
 @dataclass
@@ -75,6 +76,8 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         self._jobs: queue.Queue[PrefillJob] = queue.Queue()
         self._stop = threading.Event()
         self._num_running = 0
+        self.batch_sizes: list[int] = []  # requests per batch, in order (for tests and stats)
+        self.num_cancelled = 0  # jobs dropped because their caller gave up
         self._thread = threading.Thread(target=self._batch_loop, name="prefill-batcher", daemon=True)
         self._thread.start()
 
@@ -111,10 +114,14 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         elif dest.backend != "grpc":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"transfer backend {dest.backend!r} is not served here")
         job = PrefillJob(request.request_id, prompt, params, dest, pool)
+        context.add_callback(lambda: setattr(job, "cancelled", not job.future.done()))
         self._jobs.put(job)
         try:
             remaining = context.time_remaining()  # effectively infinite when the caller set no deadline
             result: PrefillResult = job.future.result(timeout=remaining if remaining < 1e6 else None)
+        except TimeoutError:
+            job.cancelled = True
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish before the caller's deadline")
         except Exception as err:  # noqa: BLE001 - reported to the caller as the RPC's status
             context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {err}")
         start = time.perf_counter()
@@ -202,7 +209,11 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         start = time.perf_counter()
         pending: dict[str, PrefillJob] = {}
         self._num_running = len(batch)
+        self.batch_sizes.append(len(batch))
         for job in batch:
+            if job.cancelled:  # its caller is gone: the destination blocks may already be someone else's
+                self.num_cancelled += 1
+                continue
             rid = f"prefill-{job.request_id}-{id(job)}"
             params = SamplingParams(**{**job.params.__dict__, "max_tokens": 1, "stop": [], "ignore_eos": True})
             try:
@@ -215,10 +226,17 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                 job.future.set_exception(err)
         try:
             while pending:
+                for rid in [rid for rid, job in pending.items() if job.cancelled]:
+                    self.num_cancelled += 1
+                    engine.abort(rid)
+                    engine.release(rid)
+                    pending.pop(rid)
                 for out in engine.step():
                     if not out.finished:
                         continue
-                    job = pending.pop(out.request_id)
+                    job = pending.pop(out.request_id, None)
+                    if job is None:
+                        continue
                     data = None
                     if job.dest_pool is None:
                         table = engine.block_manager.block_table(out.request_id)
