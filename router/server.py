@@ -3,8 +3,9 @@
 1. ``Generate`` validates the prompt (text, token ids or chat messages) and the
    sampling options; anything wrong ends the call with INVALID_ARGUMENT and a
    message saying what to change.
-2. It tokenizes (rendering chat messages with the model's chat template) and
-   ranks the live decode workers from the Redis registry by load.
+2. It tokenizes (rendering chat messages with the model's chat template),
+   ranks the live decode workers from the Redis registry by load and names
+   the least-loaded prefill worker for the decode worker to use.
 3. It calls the first one and relays its stream; the decode worker's text
    deltas come from an incremental detokenizer and never end inside a
    multi-byte character. A worker that fails before its first token is
@@ -55,12 +56,12 @@ class Router(pb_grpc.InferenceServicer):
         received = time.perf_counter()
         try:
             prompt = self._prompt_ids(request)
-            params = sampling_from_proto(request.sampling)
+            sampling_from_proto(request.sampling)  # validation only; the decode worker builds its own
         except ValueError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         request_id = request.request_id or uuid.uuid4().hex
-        call_request = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=request.sampling)
-        del params  # validated here; the decode worker builds its own
+        call_request = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=request.sampling,
+                                        preferred_prefill_worker=self._prefill_choice())  # fmt: skip
         targets = self._decode_targets()
         if not targets:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is available; is the cluster up?")
@@ -73,10 +74,8 @@ class Router(pb_grpc.InferenceServicer):
             sent = False
             try:
                 for msg in call:
-                    if not sent:
-                        sent = True
-                    if msg.finish_reason:
-                        msg.timings.ttft_ms = msg.timings.ttft_ms  # measured by the decode worker
+                    sent = True
+                    if msg.finish_reason:  # TTFT is the decode worker's; the total includes the router's part
                         msg.timings.total_ms = (time.perf_counter() - received) * 1000
                     yield msg
                 return
@@ -115,6 +114,13 @@ class Router(pb_grpc.InferenceServicer):
         if len(ids) >= self.max_context:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
         return ids
+
+    def _prefill_choice(self) -> str:
+        """The least-loaded live prefill worker (the decode worker falls back to its own choice)."""
+        live = self.registry.workers("prefill") if self.registry is not None else []
+        if not live:
+            return ""
+        return min(live, key=lambda w: (w.num_running + w.num_waiting, w.worker_id)).worker_id
 
     def _decode_targets(self) -> list[str]:
         if self.registry is not None:
