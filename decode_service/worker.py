@@ -308,6 +308,8 @@ class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
                     error = f"{err.code().name}: {err.details()}"
                     # refused up front: the prefill worker never queued it, so it will never write
                     writer_done = err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+                except Exception as err:  # noqa: BLE001 - any failure of the call means: retry elsewhere
+                    error = f"{type(err).__name__}: {err}"
             else:
                 error = "lease expired"
             if error is None:
