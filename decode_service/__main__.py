@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
                           max_waiting=args.max_waiting, prefill_timeout_s=args.prefill_timeout_s,
                           force_backend=args.transfer_backend)  # fmt: skip
     pb_grpc.add_DecodeServicer_to_server(worker, server)
-    pb_grpc.add_KVTransferServicer_to_server(worker, server)
+    pb_grpc.add_KVTransferServicer_to_server(worker.receiver, server)
     port, _ = start_server(server, ["kvserve.v1.Decode", "kvserve.v1.KVTransfer"], f"{args.host}:{args.port}")
     if registry is not None:
         registry.register(worker.info())

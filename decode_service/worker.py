@@ -7,7 +7,7 @@
    writes a lease and calls a prefill worker's ``Prefill`` (in a thread pool)
    with the block ids. With no prefill worker registered it prefills locally.
 3. The prefill worker writes the prompt's KV into those blocks (``shm``: in
-   place; ``grpc``: through our ``PushKV``) and answers with the first token
+   place; ``grpc``: through ``KVReceiver.PushKV``) and answers with the first token
    and a checksum, which we verify against our own blocks. The sequence then
    joins the running batch. A failed prefill is retried on another prefill
    worker, then locally; one that outlives its lease has its blocks
@@ -30,12 +30,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
-import xxhash
 
+from decode_service.kv_receiver import KVReceiver
 from engine import LLMEngine, RequestOutput, SamplingParams
 from kvserve.serving import GRPC_OPTIONS, sampling_from_proto
 from kvstore.registry import Registry, WorkerInfo, local_host_id
-from kvstore.transfer import checksum, checksum_blocks, choose_backend, export_cuda_ipc, fingerprint, write_blocks
+from kvstore.transfer import checksum_blocks, choose_backend, export_cuda_ipc, fingerprint
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 
@@ -64,7 +64,7 @@ class ActiveRequest:
     transfer_ms: float = 0.0
 
 
-class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
+class DecodeWorker(pb_grpc.DecodeServicer):
     def __init__(
         self,
         engine: LLMEngine,
@@ -89,6 +89,7 @@ class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
         if engine.runner.device.type == "cuda":
             self.cuda_ipc_handle = export_cuda_ipc(engine.runner.kv_cache)
         self.fingerprint = fingerprint(engine.model_config.architecture, engine.runner.kv_spec)
+        self.receiver = KVReceiver(engine.runner.kv_cache, self.fingerprint, self._reserved_blocks)
         self._inbox: queue.Queue = queue.Queue()
         self._queued: deque[ActiveRequest] = deque()
         self._active: dict[str, ActiveRequest] = {}
@@ -149,32 +150,9 @@ class DecodeWorker(pb_grpc.DecodeServicer, pb_grpc.KVTransferServicer):
                 context.abort(*item)
             yield item
 
-    def PushKV(self, request_iterator, context: grpc.ServicerContext) -> pb.PushKVResponse:
-        hasher, num_chunks, num_bytes = xxhash.xxh3_128(), 0, 0
-        for chunk in request_iterator:
-            if chunk.fingerprint != self.fingerprint:
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"KV fingerprint {chunk.fingerprint!r} differs from this worker's {self.fingerprint!r}",
-                )
-            if checksum(chunk.data) != chunk.checksum:
-                context.abort(
-                    grpc.StatusCode.DATA_LOSS, f"KV chunk {num_chunks} of {chunk.request_id} fails its checksum"
-                )
-            req = self._active.get(chunk.request_id)
-            if req is None or not set(chunk.block_ids) <= set(req.block_ids):
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"blocks {list(chunk.block_ids)[:4]}... are not reserved for {chunk.request_id!r}",
-                )
-            try:
-                write_blocks(self.engine.runner.kv_cache, list(chunk.block_ids), chunk.data)
-            except ValueError as err:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-            hasher.update(chunk.data)
-            num_chunks += 1
-            num_bytes += len(chunk.data)
-        return pb.PushKVResponse(num_chunks=num_chunks, num_bytes=num_bytes, checksum=hasher.hexdigest())
+    def _reserved_blocks(self, request_id: str) -> list[int]:
+        req = self._active.get(request_id)
+        return req.block_ids if req is not None and req.state == "prefilling" else []
 
     # -- the loop -------------------------------------------------------------------------------------
 

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     worker = DecodeWorker(decode, "bench-decode", "127.0.0.1:0")
     worker.stop()  # only its PushKV handler is needed; reservations are entered below as its loop would
     server = new_server()
-    pb_grpc.add_KVTransferServicer_to_server(worker, server)
+    pb_grpc.add_KVTransferServicer_to_server(worker.receiver, server)
     port, _ = start_server(server, ["kvserve.v1.KVTransfer"], "127.0.0.1:0")
     times = []
     try:
