@@ -50,6 +50,7 @@ def start_cluster(
     redis_url: str | None = None,
     engine_argv: list[str] | None = None,
     decode_argv: list[str] | None = None,
+    prefill_argv: list[str] | None = None,
     startup_timeout_s: float = 180.0,
     log_dir: str | None = None,
 ) -> Cluster:
@@ -64,7 +65,7 @@ def start_cluster(
         for i in range(num_decode):
             specs.append((f"decode-{i}", "decode_service", port + 10 + i, engine_argv + (decode_argv or [])))
         for i in range(num_prefill):
-            specs.append((f"prefill-{i}", "prefill_service", port + 30 + i, engine_argv))
+            specs.append((f"prefill-{i}", "prefill_service", port + 30 + i, engine_argv + (prefill_argv or [])))
         specs.append(("router", "router", port, ["--model", model]))
         for name, module, worker_port, extra in specs:
             cmd = [sys.executable, "-m", module, "--host", host, "--port", str(worker_port), "--redis-url", url]

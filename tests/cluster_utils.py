@@ -23,12 +23,13 @@ def free_base_port() -> int:
     raise RuntimeError("no free port range found")
 
 
-def cluster(num_prefill: int, num_decode: int, log_dir, decode_argv: list[str] | None = None):
+def cluster(num_prefill: int, num_decode: int, log_dir, decode_argv=None, prefill_argv=None):
     return start_cluster(
         num_prefill=num_prefill,
         num_decode=num_decode,
         port=free_base_port(),
         engine_argv=["--model", "default", "--num-blocks", "256", "--block-size", "16"],
         decode_argv=decode_argv,
+        prefill_argv=prefill_argv,
         log_dir=str(log_dir),
     )

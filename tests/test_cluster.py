@@ -159,3 +159,19 @@ def test_no_prefill_worker_means_local_prefill(tmp_path, engine_prompts, hf_gree
         assert result.token_ids == hf_greedy[3] and result.transfer_backend == "local"
     finally:
         c.stop()
+
+
+def test_prefill_worker_killed_mid_request(tmp_path, engine_prompts, hf_greedy):
+    # the prefill worker holds each batch open for 5 s, so the request is surely inside it when it dies
+    c = cluster(1, 1, tmp_path, prefill_argv=["--max-wait-ms", "5000"])
+    try:
+        [(_, prefill)] = [(n, p) for n, p in c.processes if n.startswith("prefill-0")]
+        with Client(c.endpoint, timeout_s=120) as client, ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(client.generate, engine_prompts[4], **GREEDY)
+            time.sleep(2.0)
+            assert not pending.done()
+            prefill.send_signal(signal.SIGKILL)
+            result = pending.result()
+        assert result.token_ids == hf_greedy[4] and result.transfer_backend == "local"
+    finally:
+        c.stop()
