@@ -51,7 +51,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in ("offline", "serve", "transfer"):
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in ("offline", "serve", "transfer", "cuda_ipc"):
         import importlib
 
         importlib.import_module(f"kvserve.bench_{argv[1]}").main(argv[2:])
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--model", default="default")
     demo.set_defaults(func=_demo)
 
-    sub.add_parser("bench", help="benchmarks: 'kvserve bench offline|serve|transfer --help'")
+    sub.add_parser("bench", help="benchmarks: 'kvserve bench offline|serve|transfer|cuda_ipc --help'")
 
     from kvserve.serving import add_engine_args
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parser.parse_args(argv)
     if args.command == "bench":
-        parser.error("use 'kvserve bench offline|serve|transfer [options]'")
+        parser.error("use 'kvserve bench offline|serve|transfer|cuda_ipc [options]'")
     import grpc
 
     try:
