@@ -128,6 +128,18 @@ def test_async_client_mirrors_the_sync_one(one_by_one, engine_prompts, hf_greedy
     assert [t for c in chunks for t in c.token_ids] == hf_greedy[0] and chunks[-1].finish_reason == "length"
 
 
+def test_generate_command_streams_to_the_terminal(one_by_one):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "kvserve.cli", "generate", "What is the capital of France?", "--chat",
+           "--max-tokens", "16", "--temperature", "0", "--address", one_by_one.endpoint]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout
+    assert "KV via shm" in done.stderr and "TTFT" in done.stderr
+
+
 def test_killed_prefill_worker_request_still_completes(one_by_one, engine_prompts, hf_greedy):
     [(_, prefill)] = [(n, p) for n, p in one_by_one.processes if n.startswith("prefill-0")]
     prefill.send_signal(signal.SIGKILL)
