@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
-import threading
 import uuid
 
 from engine import LLMEngine
-from kvserve.serving import add_engine_args, engine_config_from_args, new_server, start_server
+from kvserve.serving import add_engine_args, engine_config_from_args, new_server, serve_until_signal, start_server
 from kvstore.registry import Registry
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 
@@ -49,17 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.info(
         "decode worker %s serving on %s (KV pool: %s)", worker_id, address, engine.runner.kv_pool_path or "private"
     )
-    _serve_until_signal(server, [worker.stop, *([registry.stop] if registry else []), engine.close])
-
-
-def _serve_until_signal(server, cleanups) -> None:
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
-    server.stop(grace=1).wait()
-    for cleanup in cleanups:
-        cleanup()
+    serve_until_signal(server, [worker.stop, *([registry.stop] if registry else []), engine.close])
 
 
 if __name__ == "__main__":

@@ -12,11 +12,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-import torch
-
 from engine.bundled import resolve_model
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
+from engine.sampler import skip_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -151,10 +150,8 @@ class LLMEngine:
         seq = self._new_sequence(prompt_token_ids, params, request_id, reserved=True)
         seq.block_table = self.block_manager.block_table(request_id)
         seq.num_computed_tokens = seq.num_prompt_tokens
-        if seq.generator is not None and not params.greedy:
-            # The prefill worker drew the first token from this seed's stream; skip that draw so the rest of
-            # the answer is the one a single engine would give.
-            torch.empty(self.model_config.vocab_size, device=self.runner.device).exponential_(generator=seq.generator)
+        if seq.generator is not None:
+            skip_draw(params, seq.generator, self.model_config.vocab_size, self.runner.device)
         self._sequences[request_id] = seq
         self.scheduler.add_running(seq)
         return self._append_token(seq, first_token)

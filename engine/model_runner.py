@@ -90,8 +90,7 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            slots.extend(_slots(seq.block_table, start, end, bs))
             sample_rows.append(len(input_ids) - 1 if end == seq.num_tokens else None)
         return input_ids, positions, slots, sample_rows
 
@@ -116,15 +115,12 @@ class ModelRunner:
         """One mirror per destination pool in the batch, mapping each token to its destination slot (or -1)."""
         by_pool: dict[int, tuple[list, list[int]]] = {}
         offset = 0
-        total = batch.num_tokens
-        bs = self.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.kv_destination is not None:
                 layers, dst_blocks = seq.kv_destination
-                _, slots = by_pool.setdefault(id(layers), (layers, [-1] * total))
-                for j, p in enumerate(range(seq.num_computed_tokens, seq.num_computed_tokens + n)):
-                    if p // bs < len(dst_blocks):
-                        slots[offset + j] = dst_blocks[p // bs] * bs + p % bs
+                _, slots = by_pool.setdefault(id(layers), (layers, [-1] * batch.num_tokens))
+                start = seq.num_computed_tokens
+                slots[offset : offset + n] = _slots(dst_blocks, start, start + n, self.block_size)
             offset += n
         return [
             KVMirror(layers, torch.tensor(slots, device=self.device, dtype=torch.int64))
@@ -133,3 +129,8 @@ class ModelRunner:
 
     def _sampling_row(self, seq: Sequence):
         return seq.params, seq.generator or self.generator, seq.token_ids
+
+
+def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Pool slots of token positions ``start..end-1`` of a sequence whose blocks are ``block_table``."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]

@@ -47,6 +47,16 @@ def sample_token(
     return int((probs / noise).argmax())
 
 
+def skip_draw(params: SamplingParams, generator: torch.Generator, vocab_size: int, device: torch.device) -> None:
+    """Advance ``generator`` past the draw ``sample_token`` would make for one token of ``params``.
+
+    A request whose first token was sampled by another worker continues from the same point of its seed's
+    stream, so its answer is the one a single engine would give.
+    """
+    if not params.greedy:
+        torch.empty(vocab_size, device=device).exponential_(generator=generator)
+
+
 def sample(logits: torch.Tensor, rows: list[tuple[SamplingParams, torch.Generator | None, list[int]]]) -> list[int]:
     """``logits (seqs, vocab)`` -> one token per row; greedy rows without penalty share one argmax."""
     simple = [i for i, (p, _, _) in enumerate(rows) if p.greedy and p.repetition_penalty == 1.0]

@@ -63,9 +63,7 @@ def store_kvcache(
 
 def _gather(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor, length: int, dtype: torch.dtype):
     """The first ``length`` tokens held in ``blocks``: ``[length, num_kv_heads, head_dim]``."""
-    values = cache.index_select(0, blocks).flatten(0, 1)[:length]
-    token_scale = None if scale is None else scale.index_select(0, blocks).flatten(0, 1)[:length]
-    return _dequant(values, token_scale, dtype)
+    return _gather_batch(cache, scale, blocks[None], length, dtype)[0]
 
 
 def paged_decode_attention(

@@ -26,11 +26,19 @@ def main(argv: list[str] | None = None) -> None:
     import grpc
 
     import kernels
-    from decode_service.worker import ActiveRequest, DecodeWorker
-    from engine import LLMEngine, SamplingParams
+    from decode_service.kv_receiver import KVReceiver
+    from engine import LLMEngine
     from kvserve.serving import GRPC_OPTIONS, new_server, start_server
     from kvstore import KVCache
-    from kvstore.transfer import checksum, checksum_blocks, chunked, create_shared_pool, open_shared_pool, read_blocks
+    from kvstore.transfer import (
+        checksum,
+        checksum_blocks,
+        chunked,
+        create_shared_pool,
+        fingerprint,
+        open_shared_pool,
+        read_blocks,
+    )
     from protos.kvserve.v1 import kvserve_pb2 as pb
     from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 
@@ -60,13 +68,13 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         path.unlink()
 
-    # grpc: a real decode worker's PushKV on loopback
+    # grpc: the decode worker's PushKV receiver on loopback, every block reserved for the request
     source = KVCache(spec, num_blocks, "cpu")
     source.buffer.copy_(torch.randint(0, 255, source.buffer.shape, dtype=torch.uint8))
-    worker = DecodeWorker(decode, "bench-decode", "127.0.0.1:0")
-    worker.stop()  # only its PushKV handler is needed; reservations are entered below as its loop would
+    fp = fingerprint(decode.model_config.architecture, spec)
+    receiver = KVReceiver(decode.runner.kv_cache, fp, reserved_blocks=lambda request_id: blocks)
     server = new_server()
-    pb_grpc.add_KVTransferServicer_to_server(worker.receiver, server)
+    pb_grpc.add_KVTransferServicer_to_server(receiver, server)
     port, _ = start_server(server, ["kvserve.v1.KVTransfer"], "127.0.0.1:0")
     times = []
     try:
@@ -74,19 +82,15 @@ def main(argv: list[str] | None = None) -> None:
             stub = pb_grpc.KVTransferStub(channel)
             for i in range(args.repeats):
                 rid = f"bench-{i}"
-                worker._active[rid] = ActiveRequest(
-                    rid, rid, [], SamplingParams(), state="prefilling", block_ids=blocks
-                )
                 start = time.perf_counter()
                 parts = [(chunk, read_blocks(source, chunk)) for chunk in chunked(blocks)]
-                chunks = [pb.KVChunk(request_id=rid, fingerprint=worker.fingerprint, block_ids=chunk, data=data,
+                chunks = [pb.KVChunk(request_id=rid, fingerprint=fp, block_ids=chunk, data=data,
                                      checksum=checksum(data)) for chunk, data in parts]  # fmt: skip
                 reply = stub.PushKV(iter(chunks), timeout=60)
                 times.append(time.perf_counter() - start)
                 assert (
                     reply.checksum == checksum_blocks(source, blocks) == checksum_blocks(decode.runner.kv_cache, blocks)
                 )
-                del worker._active[rid]
     finally:
         server.stop(0)
     rpc = statistics.median(times)

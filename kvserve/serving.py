@@ -4,6 +4,9 @@ and the mapping between the wire's sampling options and the engine's ``SamplingP
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -50,10 +53,19 @@ def start_server(server: grpc.Server, service_names: list[str], address: str) ->
     return port, health_servicer
 
 
+def serve_until_signal(server: grpc.Server, cleanups: list) -> None:
+    """Serve until SIGINT or SIGTERM, then stop the server and run ``cleanups`` in order."""
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop(grace=1).wait()
+    for cleanup in cleanups:
+        cleanup()
+
+
 def wait_healthy(address: str, timeout_s: float) -> bool:
     """True once ``address`` answers SERVING to a health check within ``timeout_s``."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)

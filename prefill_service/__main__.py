@@ -6,9 +6,8 @@ import argparse
 import logging
 import uuid
 
-from decode_service.__main__ import _serve_until_signal
 from engine import LLMEngine
-from kvserve.serving import add_engine_args, engine_config_from_args, new_server, start_server
+from kvserve.serving import add_engine_args, engine_config_from_args, new_server, serve_until_signal, start_server
 from kvstore.registry import Registry, WorkerInfo, local_host_id
 from prefill_service.worker import PrefillWorker
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
@@ -41,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
                                      **worker.load()))  # fmt: skip
         registry.start_heartbeat(worker.load)
     logging.info("prefill worker %s serving on %s", worker_id, address)
-    _serve_until_signal(server, [worker.stop, *([registry.stop] if registry else []), engine.close])
+    serve_until_signal(server, [worker.stop, *([registry.stop] if registry else []), engine.close])
 
 
 if __name__ == "__main__":

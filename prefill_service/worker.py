@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -215,7 +216,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                 self.num_cancelled += 1
                 continue
             rid = f"prefill-{job.request_id}-{id(job)}"
-            params = SamplingParams(**{**job.params.__dict__, "max_tokens": 1, "stop": [], "ignore_eos": True})
+            params = dataclasses.replace(job.params, max_tokens=1, stop=[], ignore_eos=True)
             try:
                 dest = None
                 if job.dest_pool is not None:

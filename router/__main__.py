@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 
-from decode_service.__main__ import _serve_until_signal
 from engine.bundled import resolve_model
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
-from kvserve.serving import new_server, start_server
+from kvserve.serving import new_server, serve_until_signal, start_server
 from kvstore.registry import Registry
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from router.server import Router
@@ -33,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     address = f"{args.host}:{args.port}"
     start_server(server, ["kvserve.v1.Inference"], address)
     logging.info("router serving kvserve.v1.Inference on %s", address)
-    _serve_until_signal(server, [])
+    serve_until_signal(server, [])
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
+from contextlib import contextmanager
 
 import grpc
 
@@ -50,6 +52,7 @@ class Router(pb_grpc.InferenceServicer):
         self.decode_addresses = decode_addresses or []
         self.max_attempts = max_attempts
         self._channels: dict[str, grpc.Channel] = {}
+        self._in_flight: Counter[str] = Counter()  # calls this router has open, per decode address / prefill id
         self._lock = threading.Lock()
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
@@ -60,32 +63,38 @@ class Router(pb_grpc.InferenceServicer):
         except ValueError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         request_id = request.request_id or uuid.uuid4().hex
+        prefill = self._prefill_choice()
         call_request = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=request.sampling,
-                                        preferred_prefill_worker=self._prefill_choice())  # fmt: skip
+                                        preferred_prefill_worker=prefill)  # fmt: skip
         targets = self._decode_targets()
         if not targets:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is available; is the cluster up?")
         errors = []
-        for address in targets[: self.max_attempts]:
-            remaining = context.time_remaining()  # effectively infinite when the client set no deadline
-            timeout = remaining if remaining is not None and remaining < 1e6 else None
-            call = pb_grpc.DecodeStub(self._channel(address)).Generate(call_request, timeout=timeout)
-            context.add_callback(call.cancel)
-            sent = False
-            try:
-                for msg in call:
-                    sent = True
-                    if msg.finish_reason:  # TTFT is the decode worker's; the total includes the router's part
-                        msg.timings.total_ms = (time.perf_counter() - received) * 1000
-                    yield msg
-                return
-            except grpc.RpcError as err:
-                if not context.is_active():
-                    return
-                if sent or err.code() not in _RETRYABLE:
-                    context.abort(err.code(), err.details() or "decode worker failed")
-                errors.append(f"{address}: {err.code().name} {err.details()}")
-                log.warning("decode worker %s failed before its first token (%s); trying another", address, err.code())
+        with self._counted(prefill) as prefill_slot:
+            for address in targets[: self.max_attempts]:
+                remaining = context.time_remaining()  # effectively infinite when the client set no deadline
+                timeout = remaining if remaining is not None and remaining < 1e6 else None
+                call = pb_grpc.DecodeStub(self._channel(address)).Generate(call_request, timeout=timeout)
+                context.add_callback(call.cancel)
+                sent = False
+                with self._counted(address):
+                    try:
+                        for msg in call:
+                            if not sent:
+                                sent = True
+                                prefill_slot.release()  # the prompt is prefilled once the first token exists
+                            if msg.finish_reason:  # TTFT is the decode worker's; total includes the router's part
+                                msg.timings.total_ms = (time.perf_counter() - received) * 1000
+                            yield msg
+                        return
+                    except grpc.RpcError as err:
+                        if not context.is_active():
+                            return
+                        if sent or err.code() not in _RETRYABLE:
+                            context.abort(err.code(), err.details() or "decode worker failed")
+                        errors.append(f"{address}: {err.code().name} {err.details()}")
+                        log.warning("decode worker %s failed before its first token (%s); trying another",
+                                    address, err.code())  # fmt: skip
         context.abort(grpc.StatusCode.UNAVAILABLE, "every decode worker tried failed: " + "; ".join(errors))
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
@@ -115,26 +124,60 @@ class Router(pb_grpc.InferenceServicer):
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
         return ids
 
+    def _load(self, key: str, reported: int) -> int:
+        """A worker's load: what it last reported, or what this router has sent it since, whichever is more.
+
+        Heartbeats are seconds apart; without counting its own calls the router would send a whole
+        burst to the worker that looked idle at the last heartbeat.
+        """
+        return max(reported, self._in_flight[key])
+
     def _prefill_choice(self) -> str:
         """The least-loaded live prefill worker (the decode worker falls back to its own choice)."""
         live = self.registry.workers("prefill") if self.registry is not None else []
         if not live:
             return ""
-        return min(live, key=lambda w: (w.num_running + w.num_waiting, w.worker_id)).worker_id
+        with self._lock:
+            return min(
+                live, key=lambda w: (self._load(w.worker_id, w.num_running + w.num_waiting), w.worker_id)
+            ).worker_id
 
     def _decode_targets(self) -> list[str]:
-        if self.registry is not None:
-            live = self.registry.workers("decode")
-            if live:
-                ranked = sorted(
-                    live,
-                    key=lambda w: (w.num_running + w.num_waiting - w.free_blocks / max(1, w.total_blocks), w.worker_id),
-                )
-                return [w.address for w in ranked]
-        return list(self.decode_addresses)
+        live = self.registry.workers("decode") if self.registry is not None else []
+        if not live:
+            return list(self.decode_addresses)
+        with self._lock:
+            ranked = sorted(live, key=lambda w: (self._load(w.address, w.num_running + w.num_waiting),
+                                                 -w.free_blocks / max(1, w.total_blocks), w.worker_id))  # fmt: skip
+        return [w.address for w in ranked]
+
+    @contextmanager
+    def _counted(self, key: str):
+        """Count a call to ``key`` as in flight until the block ends or ``release()`` is called."""
+        slot = _Slot(self, key)
+        try:
+            yield slot
+        finally:
+            slot.release()
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
             if address not in self._channels:
                 self._channels[address] = grpc.insecure_channel(address, options=GRPC_OPTIONS)
             return self._channels[address]
+
+
+class _Slot:
+    """One in-flight call on a router's counter; releasing it twice is harmless."""
+
+    def __init__(self, router: Router, key: str) -> None:
+        self.router, self.key, self.held = router, key, bool(key)
+        if self.held:
+            with router._lock:
+                router._in_flight[key] += 1
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            with self.router._lock:
+                self.router._in_flight[self.key] -= 1
