@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -78,7 +78,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     sliding_window: int | None = None
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
@@ -118,7 +117,6 @@ class ModelConfig:
             eos_token_ids=tuple(eos),
             bos_token_id=raw.get("bos_token_id"),
             sliding_window=sliding,
-            extra=raw,
         )
 
     @property

@@ -167,10 +167,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._sequences)
-
     # -- the loop -----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
