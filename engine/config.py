@@ -33,6 +33,9 @@ class EngineConfig(BaseSettings):
     max_model_len: int | None = Field(None, ge=1)
     seed: int = 0
     shared_kv_name: str | None = Field(None, description="put the KV pool in a shared-memory file with this name")
+    skip_tokenizer_init: bool = Field(
+        False, description="load no tokenizer: prompts must be token ids and outputs carry no text"
+    )
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -39,8 +39,7 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         # Validate everything first, so a bad prompt leaves nothing half-queued.
         for prompt, p in zip(prompts, params, strict=True):
-            p.validate()
-            self.engine.tokenize(prompt)
+            self.engine.validate(prompt, p)
         ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(ids):
@@ -57,5 +56,7 @@ class LLM:
         """Like ``generate`` for chat messages, rendered with the model's chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer, and this engine runs with skip_tokenizer_init")
         prompts = [self.tokenizer.apply_chat_template(messages) for messages in conversations]
         return self.generate(prompts, params)

@@ -45,7 +45,7 @@ class LLMEngine:
         self.config = config or EngineConfig(**overrides)
         path = resolve_model(self.config.model)
         self.model_config = ModelConfig.from_dir(path)
-        self.tokenizer = Tokenizer(path)
+        self.tokenizer = None if self.config.skip_tokenizer_init else Tokenizer(path)
         self.runner = ModelRunner(path, self.model_config, self.config)
         block_size = self.config.block_size
         pool_tokens = self.runner.num_blocks * block_size
@@ -59,7 +59,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -74,6 +74,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: send at least one character or token id")
+            if self.tokenizer is None:
+                raise ValueError("this engine runs with skip_tokenizer_init: send token ids, not text")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
@@ -90,6 +92,13 @@ class LLMEngine:
                 f"{self.runner.num_blocks * self.config.block_size} tokens; one slot is kept for the answer)"
             )
         return ids
+
+    def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """Check a request without queueing it; return its prompt's token ids."""
+        params.validate()
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this engine runs with skip_tokenizer_init")
+        return self.tokenize(prompt)
 
     def add_request(
         self,
@@ -113,8 +122,7 @@ class LLMEngine:
         self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, reserved: bool = False
     ) -> Sequence:
         params = params or SamplingParams()
-        params.validate()
-        ids = self.tokenize(prompt)
+        ids = self.validate(prompt, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._sequences or (self.block_manager.has(request_id) and not reserved):
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -6,9 +6,16 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
 
 class Tokenizer:
     def __init__(self, path: Path) -> None:
+        if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+            raise ValueError(
+                f"{path} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); add them, or run with "
+                "skip_tokenizer_init=True and send token ids"
+            )
         self.hf = AutoTokenizer.from_pretrained(str(path))
 
     @property
@@ -36,7 +43,7 @@ class IncrementalDetokenizer:
     replacement character U+FFFD.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.ids: list[int] = list(prompt_ids[-6:])  # a little context so the first word gets its leading space
@@ -45,7 +52,9 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def add(self, token_ids: list[int]) -> str:
-        """Append tokens; return the newly completed text (possibly empty)."""
+        """Append tokens; return the newly completed text (possibly empty; always empty without a tokenizer)."""
+        if self.tokenizer is None:
+            return ""
         self.ids.extend(token_ids)
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
         full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip)

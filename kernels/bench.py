@@ -1,4 +1,4 @@
-"""GPU benchmark of the Triton kernels: ``python -m kernels.bench [--quick]``.
+"""GPU benchmark of the Triton kernels: ``python -m kernels.bench [--quick] [--sweep]``.
 
 * paged decode attention, bf16, block size 16, shuffled block tables, against
   ``scaled_dot_product_attention`` (flash backend, ``enable_gqa=True``) on the
@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import sys
 
 import torch
 
 BLOCK_SIZE = 16
 DEVICE = "cuda"
+DTYPE = torch.bfloat16  # the smoke test swaps in float16 (the CPU interpreter gets bf16 tl.dot wrong)
 HEAD_LAYOUTS = ((32, 8, 128), (14, 2, 64))  # (query heads, kv heads, head_dim)
 
 
@@ -81,8 +83,8 @@ def bench_decode(batches, contexts, layouts) -> None:
                 if not _fits(2 * kv_bytes + 2 * 256 * 2**20):  # paged copy + contiguous copy + L2 flush
                     print(f"{num_q_heads:>3}:{num_kv_heads:<4} {head_dim:>4} {batch:>5} {ctx:>5}  skipped: memory")
                     continue
-                q = torch.randn(batch, num_q_heads, head_dim, generator=generator).to(DEVICE, torch.bfloat16)
-                k = torch.randn(batch, num_kv_heads, ctx, head_dim, device=DEVICE, dtype=torch.bfloat16)
+                q = torch.randn(batch, num_q_heads, head_dim, generator=generator).to(DEVICE, DTYPE)
+                k = torch.randn(batch, num_kv_heads, ctx, head_dim, device=DEVICE, dtype=DTYPE)
                 v = torch.randn_like(k)
                 k_cache, v_cache, block_tables = _paged_copy(k, v, generator)
                 seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
@@ -123,8 +125,8 @@ def bench_int8(batch: int, ctx: int, layouts) -> None:
         if not _fits(4 * tokens * num_kv_heads * head_dim * 2 + 256 * 2**20):
             print(f"{num_q_heads:>3}:{num_kv_heads:<4} {head_dim:>4}  skipped: memory")
             continue
-        q = torch.randn(batch, num_q_heads, head_dim, generator=generator).to(DEVICE, torch.bfloat16)
-        k = torch.randn(batch, num_kv_heads, ctx, head_dim, device=DEVICE, dtype=torch.bfloat16)
+        q = torch.randn(batch, num_q_heads, head_dim, generator=generator).to(DEVICE, DTYPE)
+        k = torch.randn(batch, num_kv_heads, ctx, head_dim, device=DEVICE, dtype=DTYPE)
         k_cache, v_cache, block_tables = _paged_copy(k, torch.randn_like(k), generator)
         del k
         k_int8, k_scale = _quantize_cache(k_cache)
@@ -154,18 +156,18 @@ def bench_store(num_tokens: int = 16384, num_kv_heads: int = 8, head_dim: int = 
     generator = torch.Generator().manual_seed(2)
     num_blocks = num_tokens // BLOCK_SIZE + 64
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(DEVICE, torch.bfloat16)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(DEVICE, DTYPE)
     v = torch.randn_like(k)
     slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=generator)[:num_tokens].to(DEVICE)
     moved = 2 * 2 * k.numel() * k.element_size()  # K and V, read once and written once
-    source = torch.empty(2 * k.numel(), dtype=torch.bfloat16, device=DEVICE)
+    source = torch.empty(2 * k.numel(), dtype=DTYPE, device=DEVICE)
     destination = torch.empty_like(source)
     copy_us = _bench(lambda: destination.copy_(source))
     print(f"{'variant':>14} {'us':>8} {'TB/s':>6} {'vs copy':>8}")
     print(f"{'tensor copy':>14} {copy_us:8.1f} {moved / copy_us / 1e6:6.2f} {1.0:7.2f}x")
     for name in ("bf16", "int8_v", "int8"):
-        k_cache = torch.empty(shape, dtype=torch.int8 if name == "int8" else torch.bfloat16, device=DEVICE)
-        v_cache = torch.empty(shape, dtype=torch.int8 if name != "bf16" else torch.bfloat16, device=DEVICE)
+        k_cache = torch.empty(shape, dtype=torch.int8 if name == "int8" else DTYPE, device=DEVICE)
+        v_cache = torch.empty(shape, dtype=torch.int8 if name != "bf16" else DTYPE, device=DEVICE)
         k_scale = torch.empty(shape[:3], device=DEVICE) if name == "int8" else None
         v_scale = torch.empty(shape[:3], device=DEVICE) if name != "bf16" else None
         us = _bench(functools.partial(kernels.store_kvcache, k, v, k_cache, v_cache, slots, k_scale=k_scale,
@@ -174,9 +176,49 @@ def bench_store(num_tokens: int = 16384, num_kv_heads: int = 8, head_dim: int = 
               + ("" if name == "bf16" else "  (TB/s counts bf16 bytes)"))  # fmt: skip
 
 
+def bench_sweep(batch: int, ctx: int, num_q_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128) -> None:
+    """Time every (tile tokens, warps, stages, splits) of a small grid on one shape; print the fastest first.
+
+    For choosing ``decode_attention._CONFIGS`` from measurements: one GPU run
+    both reports the shipped config and shows what the alternatives give.
+    """
+    from kernels.decode_attention import _CONFIGS, _num_sms, choose_num_splits, paged_decode_attention
+    from kernels.tiles import padded
+
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(batch, num_q_heads, head_dim, generator=generator).to(DEVICE, DTYPE)
+    k = torch.randn(batch, num_kv_heads, ctx, head_dim, device=DEVICE, dtype=DTYPE)
+    k_cache, v_cache, block_tables = _paged_copy(k, torch.randn_like(k), generator)
+    del k
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
+    kv_bytes = 2 * batch * num_kv_heads * ctx * head_dim * 2
+    shipped = _CONFIGS[(padded(head_dim), False)]
+    shipped_splits = choose_num_splits(batch, num_kv_heads, ctx, shipped[0], _num_sms(q.device))
+    results = []
+    grid = itertools.product((32, 64, 128), (4, 8), (2, 3), sorted({1, 2, 4, shipped_splits}))
+    for tile, warps, stages, splits in grid:
+        run = functools.partial(paged_decode_attention, q, k_cache, v_cache, block_tables, seq_lens, head_dim**-0.5,
+                                num_splits=splits, tile_config=(tile, warps, stages))  # fmt: skip
+        try:
+            results.append((_bench(run), tile, warps, stages, splits))
+        except Exception as error:  # e.g. out of shared memory for this config
+            print(f"  tile {tile} warps {warps} stages {stages} splits {splits}: {type(error).__name__}")
+    results.sort()
+    print(f"\ndecode config sweep, bf16, batch {batch}, ctx {ctx}, {num_q_heads}:{num_kv_heads}, d {head_dim} "
+          f"(shipped: tile/warps/stages {shipped}, splits {shipped_splits})")  # fmt: skip
+    print(f"{'tile':>5} {'warps':>5} {'stages':>6} {'splits':>6} {'us':>8} {'TB/s':>6}")
+    for us, tile, warps, stages, splits in results[:8]:
+        mark = "  <- shipped" if ((tile, warps, stages), splits) == (shipped, shipped_splits) else ""
+        print(f"{tile:>5} {warps:>5} {stages:>6} {splits:>6} {us:8.1f} {kv_bytes / us / 1e6:6.2f}{mark}")
+    mine = [r for r in results if (r[1:4], r[4]) == (shipped, shipped_splits)]
+    if mine:
+        print(f"shipped config: {mine[0][0]:.1f} us, rank {results.index(mine[0]) + 1} of {len(results)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Benchmark the Triton kernels on a CUDA GPU.")
     parser.add_argument("--quick", action="store_true", help="a few shapes only (about 20 seconds)")
+    parser.add_argument("--sweep", action="store_true", help="also sweep decode tile configs at batch 64, ctx 2048")
     options = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels.bench needs a CUDA GPU; none is available here, so there is nothing to measure.")
@@ -190,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_decode(batches=(1, 8, 64, 256), contexts=(512, 2048, 8192), layouts=HEAD_LAYOUTS)
         bench_int8(batch=64, ctx=8192, layouts=HEAD_LAYOUTS)
         bench_store()
+    if options.sweep:
+        bench_sweep(batch=64, ctx=2048)
     return 0
 
 

@@ -208,8 +208,12 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
+    tile_config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """Triton twin of ``reference.paged_decode_attention``; ``num_splits`` overrides the heuristic (tests).
+    """Triton twin of ``reference.paged_decode_attention``.
+
+    ``num_splits`` and ``tile_config`` = (tokens per tile, num_warps,
+    num_stages) override the heuristic and ``_CONFIGS`` (tests, the bench's sweep).
 
     The split heuristic bounds the sequence length by the block table's width,
     so no device-to-host copy is needed (the call is CUDA-graph safe).
@@ -223,7 +227,7 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     head_dim_pad = padded(head_dim)
     is_int8 = k_scale is not None or v_scale is not None
-    tile_tokens, num_warps, num_stages = _CONFIGS.get((head_dim_pad, is_int8), _DEFAULT_CONFIG)
+    tile_tokens, num_warps, num_stages = tile_config or _CONFIGS.get((head_dim_pad, is_int8), _DEFAULT_CONFIG)
     if num_splits is None:
         max_seq_len = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_tokens, _num_sms(q.device))

@@ -32,15 +32,15 @@ def run_engine(llm, prompts, max_tokens) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, [o.token_ids for o in outs]
 
 
-def run_transformers(model_dir, prompts, max_tokens, dtype) -> tuple[float, list[list[int]]]:
+def run_transformers(model_dir, prompts, max_tokens, dtype, device) -> tuple[float, list[list[int]]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     model.generation_config.eos_token_id = None  # same work as ignore_eos
     width = max(len(p) for p in prompts)
     pad = 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     with torch.inference_mode():
         model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=4, do_sample=False, pad_token_id=pad)
         start = time.perf_counter()
@@ -57,12 +57,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.5,
+        help="share of free GPU memory for the KV pool (transformers needs the rest)",
+    )
     parser.add_argument("--skip-hf", action="store_true", help="time only the engine")
     args = parser.parse_args(argv)
 
     from engine import LLM
 
-    llm = LLM(args.model, max_num_batched_tokens=args.max_num_batched_tokens)
+    # Token-id prompts in, token ids out: no tokenizer needed (random models of real shapes have none).
+    llm = LLM(args.model, max_num_batched_tokens=args.max_num_batched_tokens, skip_tokenizer_init=True,
+              gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
     prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, llm.engine.model_config.vocab_size)
     new_tokens = args.num_prompts * args.max_tokens
     print(
@@ -75,8 +83,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     from engine.bundled import resolve_model
 
-    hf_s, hf_tokens = run_transformers(resolve_model(args.model), prompts, args.max_tokens, llm.engine.runner.dtype)
+    runner = llm.engine.runner
+    hf_s, hf_tokens = run_transformers(resolve_model(args.model), prompts, args.max_tokens, runner.dtype, runner.device)
     print(f"transformers   : {hf_s:7.2f} s  {new_tokens / hf_s:8.1f} output tokens/s")
     print(f"speed-up       : {hf_s / engine_s:.2f}x")
     same = sum(a == b for a, b in zip(engine_tokens, hf_tokens, strict=True))
     print(f"identical greedy outputs: {same}/{len(prompts)} (padding changes transformers' numerics slightly)")
+
+
+if __name__ == "__main__":
+    main()

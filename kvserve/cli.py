@@ -12,6 +12,17 @@ def _model_prepare(args: argparse.Namespace) -> None:
     print(resolve_model(args.model))
 
 
+def _model_random(args: argparse.Namespace) -> None:
+    import torch
+
+    from engine.random_model import write_random_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = write_random_model(args.out, args.like, num_layers=args.layers, dtype=getattr(torch, args.dtype),
+                             seed=args.seed, device=device)  # fmt: skip
+    print(out)
+
+
 def _demo(args: argparse.Namespace) -> None:
     from kvserve.demo import main as demo_main
 
@@ -63,6 +74,15 @@ def main(argv: list[str] | None = None) -> None:
     prepare = model.add_parser("prepare", help="convert the bundled model (or check a model directory) once")
     prepare.add_argument("--model", default="default", help="'default' or a local Hugging Face model directory")
     prepare.set_defaults(func=_model_prepare)
+    from engine.random_model import PRESETS
+
+    rand = model.add_parser("random", help="write a randomly initialised model of a real model's shape")
+    rand.add_argument("--like", required=True, choices=sorted(PRESETS), help="whose shape to copy")
+    rand.add_argument("--out", required=True, help="the model directory to write")
+    rand.add_argument("--layers", type=int, default=None, help="fewer layers than the real model (tests)")
+    rand.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    rand.add_argument("--seed", type=int, default=0)
+    rand.set_defaults(func=_model_random)
 
     demo = sub.add_parser("demo", help="answer a few chat prompts with the offline engine")
     demo.add_argument("--model", default="default")

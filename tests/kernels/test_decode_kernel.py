@@ -53,6 +53,20 @@ def test_decode_matches_reference(dtype, group, head_dim, block_size, seq_lens, 
     assert_matches(out, expected)
 
 
+@pytest.mark.parametrize(
+    "block_size, tile_config", [(32, (16, 4, 1)), (16, (128, 8, 3))], ids=["tile<page", "tile=8pages"]
+)
+def test_decode_tile_config_override(block_size, tile_config):
+    """The bench's sweep configs: a tile shorter than a page, and a tile of many pages."""
+    generator = torch.Generator().manual_seed(3)
+    kv = make_paged_kv([70, 129], block_size=block_size, num_kv_heads=2, head_dim=64, dtype=torch.float16,
+                       generator=generator)  # fmt: skip
+    q = random_tensor(2, 6, 64, dtype=torch.float16, generator=generator)
+    out = triton_ops().decode(q, kv.k, kv.v, kv.block_tables, kv.seq_lens, 0.125, num_splits=2,
+                              tile_config=tile_config)  # fmt: skip
+    assert_matches(out, reference.paged_decode_attention(q, kv.k, kv.v, kv.block_tables, kv.seq_lens, 0.125))
+
+
 def test_decode_reads_engine_pool_views():
     """Caches sliced out of a ``[layers, 2, blocks, ...]`` pool and q sliced out of a fused qkv tensor."""
     generator = torch.Generator().manual_seed(1)

@@ -1,0 +1,96 @@
+"""Randomly initialised models of real shapes: ``kvserve model random --like qwen2-0.5b --out DIR``.
+
+The GPU machine cannot download weights, and the bundled model's shape is not
+what GPU serving is tuned for. A random model with a real model's config is
+enough to check the engine's kernels on a device (the same arithmetic runs
+whatever the weights) and to time it, and Hugging Face transformers loads the
+same directory as the peer to compare with. There is no tokenizer: run the
+engine with ``skip_tokenizer_init=True`` and token-id prompts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# Shapes copied from the published config.json of each model.
+PRESETS: dict[str, dict] = {
+    "qwen2-0.5b": dict(
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151643,
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),  # fmt: skip
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
+}
+
+
+def write_random_model(
+    out_dir: str | Path,
+    like: str,
+    *,
+    num_layers: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> Path:
+    """Write a safetensors model directory shaped like preset ``like`` with seeded random weights.
+
+    ``num_layers`` overrides the depth (tests use a few layers; every layer has
+    the real width). Matrices are drawn with transformers' own initialisation on
+    ``device`` (a GPU makes the draw fast); norm weights ~ N(1, 0.1) and biases
+    ~ N(0, 0.1), so that neither is a no-op. Saved in ``dtype``.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if like not in PRESETS:
+        raise ValueError(f"unknown model shape {like!r}; choose one of {', '.join(PRESETS)}")
+    if num_layers is not None and num_layers < 1:
+        raise ValueError(f"num_layers must be at least 1, got {num_layers}")
+    settings = dict(PRESETS[like])
+    if num_layers is not None:
+        settings["num_hidden_layers"] = num_layers
+    config = AutoConfig.for_model(**settings)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():  # transformers starts norms at 1 and biases at 0, which would hide their code paths
+        for name, param in model.named_parameters():
+            if param.ndim == 1:
+                param.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    return out

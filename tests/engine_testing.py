@@ -1,0 +1,23 @@
+"""Run the engine's model by hand: a few tokens of one sequence over KV that is already in the pool."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+
+
+def forward_tokens(runner, tokens: list[int], start: int, block_table: list[int]) -> torch.Tensor:
+    """Logits ``(len(tokens), vocab)`` of ``tokens`` at positions ``start..``; earlier positions' KV must be
+    in ``runner``'s pool at ``block_table``. One token takes the decode kernel, more take the prefill kernel."""
+    n, end, bs, device = len(tokens), start + len(tokens), runner.block_size, runner.device
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([block_table[p // bs] * bs + p % bs for p in range(start, end)], device=device),
+        block_tables=torch.tensor([block_table], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([end], dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
+        num_decodes=1 if n == 1 else 0,
+    )
+    ids = torch.tensor(tokens, device=device)
+    hidden = runner.model(ids, torch.arange(start, end, device=device), runner.kv_cache.layers, meta)
+    return runner.model.compute_logits(hidden)
