@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tiles import LOG2E, attend_tile, dot_precision, load_paged_rows, padded, paged_slots
+from kernels.tiles import LOG2E, attend_paged, dot_precision, padded
 
 # (head_dim padded, any INT8 cache) -> (tokens per tile, num_warps, num_stages). Chosen from what Triton
 # 3.9 generates for sm_90 (no spills, cp.async loads, registers low enough for 3+ programs per SM), not
@@ -133,25 +133,13 @@ def _decode_split_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    block_table_row = block_tables_ptr + seq * stride_bt_seq
-    # Every tile starts below `end`, so it holds at least one visible token.
-    for tile_start in tl.range(start, end, BLOCK_N):
-        tokens = tile_start + tl.arange(0, BLOCK_N)
-        token_ok = tokens < end
-        blocks, offsets = paged_slots(block_table_row, tokens, token_ok, BLOCK_SIZE)
-        k, k_scales = load_paged_rows(
-            k_cache_ptr, k_scale_ptr, blocks, offsets, token_ok, kv_head, dims, dim_ok,
-            stride_k_block, stride_k_token, stride_k_head,
-            stride_ks_block, stride_ks_token, stride_ks_head, K_INT8,
-        )  # fmt: skip
-        v, v_scales = load_paged_rows(
-            v_cache_ptr, v_scale_ptr, blocks, offsets, token_ok, kv_head, dims, dim_ok,
-            stride_v_block, stride_v_token, stride_v_head,
-            stride_vs_block, stride_vs_token, stride_vs_head, V_INT8,
-        )  # fmt: skip
-        m_i, l_i, acc = attend_tile(
-            q, k, v, k_scales, v_scales, token_ok[None, :], m_i, l_i, acc, qk_scale, K_INT8, V_INT8, DOT_PRECISION
-        )
+    m_i, l_i, acc = attend_paged(
+        q, m_i, l_i, acc, start, end, block_tables_ptr + seq * stride_bt_seq,
+        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, dims, dim_ok,
+        stride_k_block, stride_k_token, stride_k_head, stride_v_block, stride_v_token, stride_v_head,
+        stride_ks_block, stride_ks_token, stride_ks_head, stride_vs_block, stride_vs_token, stride_vs_head,
+        qk_scale, BLOCK_SIZE, BLOCK_N, K_INT8, V_INT8, DOT_PRECISION,
+    )  # fmt: skip
 
     if SINGLE_SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tiles import LOG2E, attend_tile, dot_precision, load_paged_rows, padded, paged_slots
+from kernels.tiles import LOG2E, attend_paged, attend_tile, dot_precision, padded
 
 # head_dim (padded) -> (BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages). Not measured; chosen so
 # that Triton 3.9 compiles every variant for sm_80 and sm_90 without register spills (kernels.compile_check).
@@ -99,24 +99,13 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
 
     # 1) Cached prefix, seen by every row.
-    block_table_row = block_tables_ptr + seq * stride_bt_seq
-    for tile_start in tl.range(0, num_cached, BLOCK_N):
-        keys = tile_start + tl.arange(0, BLOCK_N)
-        key_ok = keys < num_cached
-        blocks, offsets = paged_slots(block_table_row, keys, key_ok, BLOCK_SIZE)
-        k, k_scales = load_paged_rows(
-            k_cache_ptr, k_scale_ptr, blocks, offsets, key_ok, kv_head, dims, dim_ok,
-            stride_kc_block, stride_kc_token, stride_kc_head,
-            stride_ks_block, stride_ks_token, stride_ks_head, K_INT8,
-        )  # fmt: skip
-        v, v_scales = load_paged_rows(
-            v_cache_ptr, v_scale_ptr, blocks, offsets, key_ok, kv_head, dims, dim_ok,
-            stride_vc_block, stride_vc_token, stride_vc_head,
-            stride_vs_block, stride_vs_token, stride_vs_head, V_INT8,
-        )  # fmt: skip
-        m_i, l_i, acc = attend_tile(
-            q, k, v, k_scales, v_scales, key_ok[None, :], m_i, l_i, acc, qk_scale, K_INT8, V_INT8, DOT_PRECISION
-        )
+    m_i, l_i, acc = attend_paged(
+        q, m_i, l_i, acc, 0, num_cached, block_tables_ptr + seq * stride_bt_seq,
+        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, dims, dim_ok,
+        stride_kc_block, stride_kc_token, stride_kc_head, stride_vc_block, stride_vc_token, stride_vc_head,
+        stride_ks_block, stride_ks_token, stride_ks_head, stride_vs_block, stride_vs_token, stride_vs_head,
+        qk_scale, BLOCK_SIZE, BLOCK_N, K_INT8, V_INT8, DOT_PRECISION,
+    )  # fmt: skip
 
     # 2) The new tokens, causally; this tile's rows reach new token `last_token` at most.
     last_token = tl.minimum(q_len - 1, (first_row + BLOCK_M - 1) // GROUP)

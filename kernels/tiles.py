@@ -100,6 +100,67 @@ def attend_tile(
     return m_new, l_i, acc
 
 
+@triton.jit
+def attend_paged(
+    q,
+    m_i,
+    l_i,
+    acc,
+    start,
+    end,
+    block_table_row,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    kv_head,
+    dims,
+    dim_ok,
+    stride_k_block,
+    stride_k_token,
+    stride_k_head,
+    stride_v_block,
+    stride_v_token,
+    stride_v_head,
+    stride_ks_block,
+    stride_ks_token,
+    stride_ks_head,
+    stride_vs_block,
+    stride_vs_token,
+    stride_vs_head,
+    qk_scale,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_INT8: tl.constexpr,
+    V_INT8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold one sequence's paged keys ``start..end-1`` of KV head ``kv_head`` into ``(m_i, l_i, acc)``.
+
+    Every query row of ``q [M, D]`` sees every one of these keys (decode, and a
+    prefill's cached prefix). Walks tiles of ``BLOCK_N`` tokens; each tile starts
+    below ``end``, so it holds at least one visible key (``attend_tile``'s invariant).
+    """
+    for tile_start in tl.range(start, end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_ok = tokens < end
+        blocks, offsets = paged_slots(block_table_row, tokens, token_ok, BLOCK_SIZE)
+        k, k_scales = load_paged_rows(
+            k_cache_ptr, k_scale_ptr, blocks, offsets, token_ok, kv_head, dims, dim_ok,
+            stride_k_block, stride_k_token, stride_k_head,
+            stride_ks_block, stride_ks_token, stride_ks_head, K_INT8,
+        )  # fmt: skip
+        v, v_scales = load_paged_rows(
+            v_cache_ptr, v_scale_ptr, blocks, offsets, token_ok, kv_head, dims, dim_ok,
+            stride_v_block, stride_v_token, stride_v_head,
+            stride_vs_block, stride_vs_token, stride_vs_head, V_INT8,
+        )  # fmt: skip
+        m_i, l_i, acc = attend_tile(
+            q, k, v, k_scales, v_scales, token_ok[None, :], m_i, l_i, acc, qk_scale, K_INT8, V_INT8, DOT_PRECISION
+        )
+    return m_i, l_i, acc
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision: exact fp32 products for fp32 tensors (tests), tensor-core default otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"
