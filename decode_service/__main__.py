@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.info(
         "decode worker %s serving on %s (KV pool: %s)", worker_id, address, engine.runner.kv_pool_path or "private"
     )
-    serve_until_signal(server, [worker.stop, *([registry.stop] if registry else []), engine.close])
+    serve_until_signal(server, [worker.stop, *([registry.stop] if registry else []), engine.close], worker.loop)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 
 1. ``Generate`` (a gRPC thread) validates the request and queues it; when
    ``max_waiting`` requests are already queued it answers RESOURCE_EXHAUSTED.
-2. The loop thread, the engine's only user, takes queued requests in order
-   while the pool has blocks for their prompts: it reserves the blocks,
-   writes a lease and calls a prefill worker's ``Prefill`` (in a thread pool)
-   with the block ids. With no prefill worker registered it prefills locally.
+2. The loop (``self.loop``: the process's main thread), the engine's only user,
+   takes queued requests in order while the pool has blocks for their prompts:
+   it reserves the blocks, writes a lease and calls a prefill worker's
+   ``Prefill`` (in a thread pool) with the block ids. With no prefill worker
+   registered it prefills locally.
 3. The prefill worker writes the prompt's KV into those blocks (``shm``: in
    place; ``grpc``: through ``KVReceiver.PushKV``) and answers with the first token
    and a checksum, which we verify against our own blocks. The sequence then
@@ -33,7 +34,7 @@ import grpc
 
 from decode_service.kv_receiver import KVReceiver
 from engine import LLMEngine, RequestOutput, SamplingParams
-from kvserve.serving import GRPC_OPTIONS, sampling_from_proto
+from kvserve.serving import GRPC_OPTIONS, Loop, sampling_from_proto
 from kvstore.registry import Registry, WorkerInfo, local_host_id
 from kvstore.transfer import checksum_blocks, choose_backend, export_cuda_ipc, fingerprint
 from protos.kvserve.v1 import kvserve_pb2 as pb
@@ -96,11 +97,9 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         self._quarantine: list[tuple[float, str]] = []
         self.num_quarantined = 0  # reservations held back from a prefill that may still write
         self._prefill_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="prefill-call")
-        self._stop = threading.Event()
         self._num_waiting = 0
         self._waiting_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
-        self._thread.start()
+        self.loop = Loop(self._loop_once, "decode-loop")  # the process's main thread runs it (see Loop)
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -116,8 +115,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
                 "num_waiting": max(0, self._num_waiting)}  # fmt: skip
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self.loop.stop()
         self._prefill_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- gRPC -----------------------------------------------------------------------------------------
@@ -156,21 +154,19 @@ class DecodeWorker(pb_grpc.DecodeServicer):
 
     # -- the loop -------------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        engine = self.engine
-        while not self._stop.is_set():
-            try:
-                self._drain_inbox()
-                self._start_prefills()
-                self._collect_prefills()
-                self._free_quarantine()
-                if engine.has_unfinished_requests():
-                    for out in engine.step():
-                        self._emit(out)
-            except Exception:  # noqa: BLE001 - the loop must survive; the failing requests are told
-                log.exception("decode loop iteration failed")
-                for req in list(self._active.values()):
-                    self._fail(req, grpc.StatusCode.INTERNAL, "decode worker error; see its log")
+    def _loop_once(self) -> None:
+        try:
+            self._drain_inbox()
+            self._start_prefills()
+            self._collect_prefills()
+            self._free_quarantine()
+            if self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    self._emit(out)
+        except Exception:  # noqa: BLE001 - the loop must survive; the failing requests are told
+            log.exception("decode loop iteration failed")
+            for req in list(self._active.values()):
+                self._fail(req, grpc.StatusCode.INTERNAL, "decode worker error; see its log")
 
     def _dequeued(self) -> None:
         with self._waiting_lock:

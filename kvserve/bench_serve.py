@@ -3,7 +3,8 @@
     kvserve bench serve [--num-prompts 8] [--prompt-len 256] [--max-tokens 32] [--backend shm|grpc]
 
 Requests go one at a time, so the figures are latencies, not throughput. The offline engine runs in
-this process; the cluster's workers run as separate processes on the same cores.
+this process; the cluster's workers run as separate processes on the same cores. Each prompt goes to
+the offline engine and then to the cluster, alternating, so that both see the machine in the same state.
 """
 
 from __future__ import annotations
@@ -15,49 +16,59 @@ import time
 from kvserve.bench_offline import make_prompts
 
 
-def _offline(prompts: list[list[int]], max_tokens: int) -> list[tuple[float, float]]:
+def _offline_engine():
     from engine import LLMEngine, SamplingParams
 
     engine = LLMEngine(model="default", num_blocks=512)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    engine.add_request(prompts[0][:8], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+    engine.add_request([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=2))  # warm-up
     while engine.has_unfinished_requests():
         engine.step()
-    timings = []
-    for prompt in prompts:
-        start = time.perf_counter()
-        engine.add_request(prompt, params)
-        first = None
-        while engine.has_unfinished_requests():
-            engine.step()
-            first = first or time.perf_counter()
-        end = time.perf_counter()
-        timings.append(((first - start) * 1e3, (end - first) * 1e3 / (max_tokens - 1)))
-    return timings
+    return engine
 
 
-def _cluster(prompts: list[list[int]], max_tokens: int, backend: str) -> tuple[list[tuple[float, float]], list]:
+def _time_offline(engine, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+    from engine import SamplingParams
+
+    start = time.perf_counter()
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    first = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        first = first or time.perf_counter()
+    end = time.perf_counter()
+    return (first - start) * 1e3, (end - first) * 1e3 / (max_tokens - 1)
+
+
+def _time_served(client, prompt: list[int], max_tokens: int) -> tuple[tuple[float, float], object]:
+    start = time.perf_counter()
+    first = last = None
+    for chunk in client.stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
+        first = first or time.perf_counter()
+        last = chunk
+    end = time.perf_counter()
+    return ((first - start) * 1e3, (end - first) * 1e3 / (max_tokens - 1)), last
+
+
+def _run(prompts: list[list[int]], max_tokens: int, backend: str):
+    """Each prompt offline, then through the cluster, alternating, so both see the same machine."""
     from kvserve.client import Client
     from kvserve.cluster import start_cluster
 
     cluster = start_cluster(port=50351, engine_argv=["--model", "default", "--num-blocks", "512"],
                             decode_argv=["--transfer-backend", backend])  # fmt: skip
-    timings, lasts = [], []
+    offline, served, lasts = [], [], []
     try:
+        engine = _offline_engine()
         with Client(cluster.endpoint, timeout_s=300) as client:
             client.generate(prompts[0][:8], max_tokens=2, temperature=0)  # warm-up
             for prompt in prompts:
-                start = time.perf_counter()
-                first = None
-                for chunk in client.stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
-                    first = first or time.perf_counter()
-                    last = chunk
-                end = time.perf_counter()
-                timings.append(((first - start) * 1e3, (end - first) * 1e3 / (max_tokens - 1)))
+                offline.append(_time_offline(engine, prompt, max_tokens))
+                timing, last = _time_served(client, prompt, max_tokens)
+                served.append(timing)
                 lasts.append(last)
     finally:
         cluster.stop()
-    return timings, lasts
+    return offline, served, lasts
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,8 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", choices=["shm", "grpc"], default="shm")
     args = parser.parse_args(argv)
     prompts = make_prompts(args.num_prompts, args.prompt_len, args.prompt_len, 49152, seed=1)
-    offline = _offline(prompts, args.max_tokens)
-    served, lasts = _cluster(prompts, args.max_tokens, args.backend)
+    offline, served, lasts = _run(prompts, args.max_tokens, args.backend)
 
     def med(values):
         return statistics.median(values)

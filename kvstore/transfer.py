@@ -25,6 +25,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import xxhash
 
@@ -128,18 +129,31 @@ def read_blocks(cache: KVCache, block_ids: list[int]) -> bytes:
 
 
 def write_blocks(cache: KVCache, block_ids: list[int], data: bytes) -> None:
-    """Inverse of ``read_blocks``: write ``data`` into ``block_ids`` of this pool."""
+    """Inverse of ``read_blocks``: write ``data`` into ``block_ids`` of this pool.
+
+    Runs on gRPC threads, so on the CPU it copies with NumPy, not with PyTorch ops
+    that would start another OpenMP pool (see ``kvserve.serving.Loop``).
+    """
     n = len(block_ids)
     if len(data) != n * block_nbytes(cache):
         raise ValueError(f"KV chunk holds {len(data)} bytes, {n} blocks need {n * block_nbytes(cache)}")
-    with warnings.catch_warnings():  # read-only source: torch warns that it cannot write to ``bytes``
-        warnings.simplefilter("ignore", UserWarning)
-        source = torch.frombuffer(data, dtype=torch.uint8).to(cache.buffer.device)
-    index = torch.tensor(block_ids, dtype=torch.long, device=cache.buffer.device)
+    on_cpu = cache.buffer.device.type == "cpu"
+    if on_cpu:
+        source = np.frombuffer(data, dtype=np.uint8)
+        index = np.asarray(block_ids, dtype=np.int64)
+    else:
+        with warnings.catch_warnings():  # read-only source: torch warns that it cannot write to ``bytes``
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.frombuffer(data, dtype=torch.uint8).to(cache.buffer.device)
+        index = torch.tensor(block_ids, dtype=torch.long, device=cache.buffer.device)
     offset = 0
     for region in _regions(cache):
         size = n * region.shape[1]
-        region.index_copy_(0, index, source[offset : offset + size].view(n, -1))
+        part = source[offset : offset + size].reshape(n, -1)
+        if on_cpu:
+            region.numpy()[index] = part
+        else:
+            region.index_copy_(0, index, part)
         offset += size
 
 

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
                                      **worker.load()))  # fmt: skip
         registry.start_heartbeat(worker.load)
     logging.info("prefill worker %s serving on %s", worker_id, address)
-    serve_until_signal(server, [worker.stop, *([registry.stop] if registry else []), engine.close])
+    serve_until_signal(server, [worker.stop, *([registry.stop] if registry else []), engine.close], worker.loop)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,13 @@
 1. ``Prefill`` (a gRPC thread) checks the destination's fingerprint, opens the
    destination pool once per decode worker (``shm``: map its file) and queues
    a job for the batcher, then waits for it.
-2. The batcher thread gathers jobs until ``max_batch_tokens`` prompt tokens are
-   waiting or ``max_wait_ms`` has passed since the first one, adds them all to
-   its engine with ``max_tokens=1`` and steps until each has its first token.
-   Long prompts are chunked by the engine's token budget. With ``shm`` every
-   layer stores each new token's K/V straight into the destination slots as
-   it is computed; with ``grpc`` the finished blocks are read out of our own
-   pool before they are released.
+2. The batcher (``self.loop``: the process's main thread) gathers jobs until
+   ``max_batch_tokens`` prompt tokens are waiting or ``max_wait_ms`` has passed
+   since the first one, adds them all to its engine with ``max_tokens=1`` and
+   steps until each has its first token. Long prompts are chunked by the
+   engine's token budget. With ``shm`` every layer stores each new token's K/V
+   straight into the destination slots as it is computed; with ``grpc`` the
+   finished blocks are read out of our own pool before they are released.
 3. Back on the gRPC thread: ``grpc`` streams the bytes to the decode worker's
    ``PushKV`` in checksummed chunks; the answer carries the first token and
    the checksum of the destination blocks.
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine import LLMEngine, SamplingParams
-from kvserve.serving import GRPC_OPTIONS, sampling_from_proto
+from kvserve.serving import GRPC_OPTIONS, Loop, sampling_from_proto
 from kvstore.kv_cache import KVCache
 from kvstore.transfer import (
     checksum,
@@ -75,12 +75,10 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         self._pools: dict[str, KVCache] = {}
         self._pools_lock = threading.Lock()
         self._jobs: queue.Queue[PrefillJob] = queue.Queue()
-        self._stop = threading.Event()
         self._num_running = 0
         self.batch_sizes: list[int] = []  # requests per batch, in order (for tests and stats)
         self.num_cancelled = 0  # jobs dropped because their caller gave up
-        self._thread = threading.Thread(target=self._batch_loop, name="prefill-batcher", daemon=True)
-        self._thread.start()
+        self.loop = Loop(self._batch_once, "prefill-batcher")  # the process's main thread runs it (see Loop)
 
     # -- gRPC -----------------------------------------------------------------------------------------
 
@@ -179,8 +177,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                 "num_running": self._num_running, "num_waiting": self._jobs.qsize()}  # fmt: skip
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self.loop.stop()
 
     def _collect(self) -> list[PrefillJob]:
         try:
@@ -199,11 +196,10 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             tokens += len(job.prompt)
         return batch
 
-    def _batch_loop(self) -> None:
-        while not self._stop.is_set():
-            batch = self._collect()
-            if batch:
-                self._run(batch)
+    def _batch_once(self) -> None:
+        batch = self._collect()
+        if batch:
+            self._run(batch)
 
     def _run(self, batch: list[PrefillJob]) -> None:
         engine = self.engine

@@ -20,7 +20,6 @@ import threading
 import time
 import uuid
 from collections import Counter
-from contextlib import contextmanager
 
 import grpc
 
@@ -63,21 +62,20 @@ class Router(pb_grpc.InferenceServicer):
         except ValueError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         request_id = request.request_id or uuid.uuid4().hex
-        prefill = self._prefill_choice()
-        call_request = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=request.sampling,
-                                        preferred_prefill_worker=prefill)  # fmt: skip
-        targets = self._decode_targets()
+        targets, first_slot = self._decode_targets()
         if not targets:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is available; is the cluster up?")
         errors = []
-        with self._counted(prefill) as prefill_slot:
-            for address in targets[: self.max_attempts]:
+        with first_slot, self._claim_prefill() as prefill_slot:  # (the outer release is a no-op once done)
+            call_request = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=request.sampling,
+                                            preferred_prefill_worker=prefill_slot.key)  # fmt: skip
+            for attempt, address in enumerate(targets[: self.max_attempts]):
                 remaining = context.time_remaining()  # effectively infinite when the client set no deadline
                 timeout = remaining if remaining is not None and remaining < 1e6 else None
                 call = pb_grpc.DecodeStub(self._channel(address)).Generate(call_request, timeout=timeout)
                 context.add_callback(call.cancel)
                 sent = False
-                with self._counted(address):
+                with first_slot if attempt == 0 else self._claim(address):
                     try:
                         for msg in call:
                             if not sent:
@@ -132,33 +130,33 @@ class Router(pb_grpc.InferenceServicer):
         """
         return max(reported, self._in_flight[key])
 
-    def _prefill_choice(self) -> str:
-        """The least-loaded live prefill worker (the decode worker falls back to its own choice)."""
+    def _claim_prefill(self) -> _Slot:
+        """The least-loaded live prefill worker (the decode worker falls back to its own choice), counted as
+        in flight in the same locked step, so that concurrent requests see each other's choices."""
         live = self.registry.workers("prefill") if self.registry is not None else []
-        if not live:
-            return ""
         with self._lock:
-            return min(
-                live, key=lambda w: (self._load(w.worker_id, w.num_running + w.num_waiting), w.worker_id)
-            ).worker_id
+            if not live:
+                return _Slot(self, "")
+            best = min(live, key=lambda w: (self._load(w.worker_id, w.num_running + w.num_waiting), w.worker_id))
+            return _Slot(self, best.worker_id)
 
-    def _decode_targets(self) -> list[str]:
+    def _decode_targets(self) -> tuple[list[str], _Slot]:
+        """Decode worker addresses, least loaded first, and the first one already counted as in flight
+        (ranked and counted in one locked step, like ``_claim_prefill``)."""
         live = self.registry.workers("decode") if self.registry is not None else []
-        if not live:
-            return list(self.decode_addresses)
         with self._lock:
-            ranked = sorted(live, key=lambda w: (self._load(w.address, w.num_running + w.num_waiting),
-                                                 -w.free_blocks / max(1, w.total_blocks), w.worker_id))  # fmt: skip
-        return [w.address for w in ranked]
+            if live:
+                ranked = sorted(live, key=lambda w: (self._load(w.address, w.num_running + w.num_waiting),
+                                                     -w.free_blocks / max(1, w.total_blocks), w.worker_id))  # fmt: skip
+                targets = [w.address for w in ranked]
+            else:
+                targets = list(self.decode_addresses)
+            return targets, _Slot(self, targets[0] if targets else "")
 
-    @contextmanager
-    def _counted(self, key: str):
-        """Count a call to ``key`` as in flight until the block ends or ``release()`` is called."""
-        slot = _Slot(self, key)
-        try:
-            yield slot
-        finally:
-            slot.release()
+    def _claim(self, key: str) -> _Slot:
+        """Count a call to ``key`` as in flight until the slot is released (``with`` releases it at the end)."""
+        with self._lock:
+            return _Slot(self, key)
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
@@ -168,16 +166,21 @@ class Router(pb_grpc.InferenceServicer):
 
 
 class _Slot:
-    """One in-flight call on a router's counter; releasing it twice is harmless."""
+    """One in-flight call on a router's counter; releasing it twice is harmless. Made under the router's lock."""
 
     def __init__(self, router: Router, key: str) -> None:
         self.router, self.key, self.held = router, key, bool(key)
         if self.held:
-            with router._lock:
-                router._in_flight[key] += 1
+            router._in_flight[key] += 1
 
     def release(self) -> None:
         if self.held:
             self.held = False
             with self.router._lock:
                 self.router._in_flight[self.key] -= 1
+
+    def __enter__(self) -> _Slot:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

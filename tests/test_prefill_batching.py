@@ -21,6 +21,7 @@ from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 
 def _serve_prefill(engine, max_wait_ms):
     worker = PrefillWorker(engine, "prefill-b", max_batch_tokens=4096, max_wait_ms=max_wait_ms)
+    worker.loop.start()
     server = new_server()
     pb_grpc.add_PrefillServicer_to_server(worker, server)
     port, _ = start_server(server, ["kvserve.v1.Prefill"], "127.0.0.1:0")
@@ -69,6 +70,7 @@ def test_expired_lease_quarantines_blocks_and_the_request_completes(engine_promp
         engine = LLMEngine(model="default", num_blocks=32, block_size=16, shared_kv_name="lease-test")
         decode = DecodeWorker(engine, "decode-l", "127.0.0.1:0", Registry(redis.url), prefill_timeout_s=1.0,
                               shm_path=str(engine.runner.kv_pool_path))  # fmt: skip
+        decode.loop.start()
         server = new_server()
         pb_grpc.add_DecodeServicer_to_server(decode, server)
         port, _ = start_server(server, ["kvserve.v1.Decode"], "127.0.0.1:0")

@@ -23,6 +23,7 @@ def small_decode():
     """A decode worker with 8 blocks (128 tokens) and room for one request waiting for blocks."""
     engine = LLMEngine(model="default", num_blocks=8, block_size=16)
     worker = DecodeWorker(engine, "decode-small", "127.0.0.1:0", max_waiting=1)
+    worker.loop.start()
     server = new_server()
     pb_grpc.add_DecodeServicer_to_server(worker, server)
     port, _ = start_server(server, ["kvserve.v1.Decode"], "127.0.0.1:0")
@@ -90,3 +91,42 @@ class socket_free_port:
 
     def __exit__(self, *exc) -> None:
         self.sock.close()
+
+
+def test_router_counts_each_choice_as_it_makes_it(model_dir):
+    """Concurrent requests between two heartbeats: each choice is counted in the same locked step as it is
+    made, so 8 simultaneous choices split 4/4 over two idle workers of each role, and releases undo them."""
+    from engine.tokenizer import Tokenizer
+    from kvserve.redis_server import EmbeddedRedis
+    from kvstore.registry import Registry, WorkerInfo
+
+    config = ModelConfig.from_dir(model_dir)
+    with EmbeddedRedis() as redis:
+        registry = Registry(redis.url)
+        for i in range(2):
+            registry.register(WorkerInfo(worker_id=f"prefill-{i}", role="prefill", address=f"127.0.0.1:{9100 + i}"))
+            registry.register(WorkerInfo(worker_id=f"decode-{i}", role="decode", address=f"127.0.0.1:{9200 + i}",
+                                         free_blocks=100, total_blocks=100))  # fmt: skip
+        router = Router(Tokenizer(model_dir), config.vocab_size, config.max_context, registry)
+        start = threading.Barrier(8)
+        slots = []
+
+        def choose():
+            start.wait()
+            _, decode = router._decode_targets()
+            slots.append((router._claim_prefill(), decode))
+
+        threads = [threading.Thread(target=choose) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        prefill_ids = sorted(p.key for p, _ in slots)
+        decode_addresses = sorted(d.key for _, d in slots)
+        assert prefill_ids == ["prefill-0"] * 4 + ["prefill-1"] * 4
+        assert decode_addresses == ["127.0.0.1:9200"] * 4 + ["127.0.0.1:9201"] * 4
+        for p, d in slots:
+            p.release()
+            d.release()
+            d.release()  # harmless
+        assert sum(router._in_flight.values()) == 0

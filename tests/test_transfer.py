@@ -102,8 +102,10 @@ def decode_server(prefill_engine):
     engine = LLMEngine(model="default", num_blocks=32, block_size=16)
     server = new_server()
     worker = DecodeWorker(engine, "decode-t", "127.0.0.1:0")
+    worker.loop.start()
     pb_grpc.add_KVTransferServicer_to_server(worker.receiver, server)
     prefill = PrefillWorker(prefill_engine, "prefill-t")
+    prefill.loop.start()
     pb_grpc.add_PrefillServicer_to_server(prefill, server)
     port, _ = start_server(server, ["kvserve.v1.KVTransfer", "kvserve.v1.Prefill"], "127.0.0.1:0")
     yield f"127.0.0.1:{port}", worker, prefill
