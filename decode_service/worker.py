@@ -35,8 +35,9 @@ import grpc
 from decode_service.kv_receiver import KVReceiver
 from engine import LLMEngine, RequestOutput, SamplingParams
 from kvserve.serving import GRPC_OPTIONS, Loop, sampling_from_proto
-from kvstore.registry import Registry, WorkerInfo, local_host_id
+from kvstore.registry import Registry
 from kvstore.transfer import checksum_blocks, choose_backend, export_cuda_ipc, fingerprint
+from kvstore.workers import WorkerInfo, local_host_id
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 

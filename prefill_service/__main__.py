@@ -8,7 +8,8 @@ import uuid
 
 from engine import LLMEngine
 from kvserve.serving import add_engine_args, engine_config_from_args, new_server, serve_until_signal, start_server
-from kvstore.registry import Registry, WorkerInfo, local_host_id
+from kvstore.registry import Registry
+from kvstore.workers import WorkerInfo, local_host_id
 from prefill_service.worker import PrefillWorker
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 

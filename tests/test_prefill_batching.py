@@ -12,8 +12,9 @@ from decode_service.worker import DecodeWorker
 from engine import LLMEngine
 from kvserve.redis_server import EmbeddedRedis
 from kvserve.serving import new_server, start_server
-from kvstore.registry import Registry, WorkerInfo
+from kvstore.registry import Registry
 from kvstore.transfer import checksum_blocks, create_shared_pool
+from kvstore.workers import WorkerInfo
 from prefill_service.worker import PrefillWorker
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc

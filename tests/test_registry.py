@@ -13,7 +13,8 @@ import pytest
 import redis
 
 from kvserve.redis_server import EmbeddedRedis, ensure_redis
-from kvstore.registry import Registry, WorkerInfo
+from kvstore.registry import Registry
+from kvstore.workers import WorkerInfo
 
 
 @pytest.fixture(scope="module")

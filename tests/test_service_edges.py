@@ -98,7 +98,8 @@ def test_router_counts_each_choice_as_it_makes_it(model_dir):
     made, so 8 simultaneous choices split 4/4 over two idle workers of each role, and releases undo them."""
     from engine.tokenizer import Tokenizer
     from kvserve.redis_server import EmbeddedRedis
-    from kvstore.registry import Registry, WorkerInfo
+    from kvstore.registry import Registry
+    from kvstore.workers import WorkerInfo
 
     config = ModelConfig.from_dir(model_dir)
     with EmbeddedRedis() as redis:

@@ -1,0 +1,101 @@
+"""What the registry stores about the cluster: workers (``WorkerInfo``) and in-flight KV transfers (``Lease``).
+
+Plain records with their Redis hash encoding; ``kvstore.registry.Registry`` reads and writes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+Role = Literal["prefill", "decode", "router"]
+ROLES: tuple[str, ...] = get_args(Role)
+LOAD_FIELDS = ("free_blocks", "total_blocks", "num_running", "num_waiting")
+LEASE_STATES = ("pending", "transferring", "success", "failed")
+
+
+def local_host_id() -> str:
+    """``hostname:boot_id``: two workers with equal ids run on the same machine since its last boot.
+
+    Containers on one machine share the boot id but usually not the hostname, so they count as different hosts
+    (they rarely share /dev/shm either).
+    """
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = "unknown-boot"
+    return f"{socket.gethostname()}:{boot_id}"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker publishes about itself.
+
+    ``address`` is its gRPC ``host:port``; ``transfer`` describes its KV pool for peers (e.g. ``shm_path``,
+    ``num_blocks``); two workers exchange KV only when their ``fingerprint`` strings are equal. The
+    ``LOAD_FIELDS`` change with every heartbeat, everything else is fixed for the worker's life.
+    """
+
+    worker_id: str
+    role: Role
+    address: str
+    host_id: str = field(default_factory=local_host_id)
+    device: str = "cpu"
+    transfer: dict[str, Any] = field(default_factory=dict)
+    fingerprint: str = ""
+    free_blocks: int = 0
+    total_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    started_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id must not be empty")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        check_load({name: getattr(self, name) for name in LOAD_FIELDS})
+
+    def to_redis(self) -> dict[str, str]:
+        fields = {f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        fields["transfer"] = json.dumps(self.transfer, sort_keys=True)
+        return fields
+
+    @classmethod
+    def from_redis(cls, fields: Mapping[str, str]) -> WorkerInfo:
+        """Inverse of ``to_redis``; raises ``KeyError`` or ``ValueError`` on a malformed hash."""
+        return cls(
+            worker_id=fields["worker_id"],
+            role=fields["role"],  # type: ignore[arg-type]  # validated in __post_init__
+            address=fields["address"],
+            host_id=fields["host_id"],
+            device=fields["device"],
+            transfer=json.loads(fields["transfer"]),
+            fingerprint=fields["fingerprint"],
+            started_at=float(fields["started_at"]),
+            **{name: int(fields[name]) for name in LOAD_FIELDS},
+        )
+
+
+@dataclass(frozen=True)
+class Lease:
+    """An in-flight KV transfer: ``prefill_id`` writes into ``block_ids`` of ``decode_id`` for ``request_id``."""
+
+    request_id: str
+    decode_id: str
+    prefill_id: str
+    block_ids: list[int]
+    state: str
+
+
+def check_load(load: Mapping[str, Any]) -> None:
+    for name in LOAD_FIELDS:
+        value = load.get(name, 0)
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
