@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-# Shapes copied from the published config.json of each model.
+# Shapes from the published config.json of Qwen2-0.5B-Instruct and Llama-3.2-1B.
 PRESETS: dict[str, dict] = {
     "qwen2-0.5b": dict(
         model_type="qwen2",
@@ -29,7 +29,7 @@ PRESETS: dict[str, dict] = {
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
         bos_token_id=151643,
-        eos_token_id=151643,
+        eos_token_id=151645,
     ),
     "llama-3.2-1b": dict(
         model_type="llama",
