@@ -34,7 +34,7 @@ import grpc
 
 from decode_service.kv_receiver import KVReceiver
 from engine import LLMEngine, RequestOutput, SamplingParams
-from kvserve.serving import GRPC_OPTIONS, Loop, sampling_from_proto
+from kvserve.serving import GRPC_OPTIONS, Loop, sampling_from_proto, sampling_to_proto
 from kvstore.registry import Registry
 from kvstore.transfer import checksum_blocks, choose_backend, export_cuda_ipc, fingerprint
 from kvstore.workers import WorkerInfo, local_host_id
@@ -244,7 +244,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
             host_id=self.host_id, cuda_ipc_handle=self.cuda_ipc_handle,
         )  # fmt: skip
         call = pb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
-                                 sampling=_sampling_to_proto(req.params), destination=dest)  # fmt: skip
+                                 sampling=sampling_to_proto(req.params), destination=dest)  # fmt: skip
         req.future = self._prefill_pool.submit(_call_prefill, target.address, call, self.prefill_timeout_s)
         req.future.add_done_callback(lambda _: self._inbox.put(("wake", req)))
 
@@ -361,13 +361,3 @@ class DecodeWorker(pb_grpc.DecodeServicer):
 def _call_prefill(address: str, request: pb.PrefillRequest, timeout_s: float) -> pb.PrefillResponse:
     with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
         return pb_grpc.PrefillStub(channel).Prefill(request, timeout=timeout_s)
-
-
-def _sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
-    opts = pb.SamplingOptions(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                              max_tokens=params.max_tokens, repetition_penalty=params.repetition_penalty,
-                              stop=params.stop, stop_token_ids=params.stop_token_ids,
-                              ignore_eos=params.ignore_eos)  # fmt: skip
-    if params.seed is not None:
-        opts.seed = params.seed
-    return opts

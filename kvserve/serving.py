@@ -35,6 +35,17 @@ def sampling_from_proto(opts: pb.SamplingOptions) -> SamplingParams:
     )
 
 
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
+    """Inverse of ``sampling_from_proto``: every field set, so the receiver sees exactly these settings."""
+    opts = pb.SamplingOptions(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                              max_tokens=params.max_tokens, repetition_penalty=params.repetition_penalty,
+                              stop=params.stop, stop_token_ids=params.stop_token_ids,
+                              ignore_eos=params.ignore_eos)  # fmt: skip
+    if params.seed is not None:
+        opts.seed = params.seed
+    return opts
+
+
 def new_server(max_workers: int = 32) -> grpc.Server:
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
 
