@@ -66,7 +66,7 @@ def bench_decode(batches, contexts, layouts) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import kernels
-    from kernels.decode_attention import _num_sms, choose_num_splits
+    from kernels.decode_attention import _num_sms, choose_num_splits, default_tile_config
 
     def sdpa(q, k, v, scale):  # q [batch, q_heads, 1, d], k/v [batch, kv_heads, ctx, d]
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -94,7 +94,8 @@ def bench_decode(batches, contexts, layouts) -> None:
                 )
                 theirs = functools.partial(sdpa, q[:, :, None, :], k, v, scale)
                 ours_us = _bench(ours)
-                splits = choose_num_splits(batch, num_kv_heads, ctx, _tile_tokens(head_dim), _num_sms(q.device))
+                tile_tokens = default_tile_config(head_dim, False)[0]
+                splits = choose_num_splits(batch, num_kv_heads, ctx, tile_tokens, _num_sms(q.device))
                 try:
                     sdpa_us = _bench(theirs)
                     diff = (ours().float() - theirs()[:, :, 0].float()).abs().max().item()
@@ -105,13 +106,6 @@ def bench_decode(batches, contexts, layouts) -> None:
                       f"{ours_us:9.1f} {kv_bytes / ours_us / 1e6:6.2f} {sdpa_cols}")  # fmt: skip
                 del q, k, v, k_cache, v_cache, ours, theirs
                 torch.cuda.empty_cache()
-
-
-def _tile_tokens(head_dim: int) -> int:
-    from kernels.decode_attention import _CONFIGS, _DEFAULT_CONFIG
-    from kernels.tiles import padded
-
-    return _CONFIGS.get((padded(head_dim), False), _DEFAULT_CONFIG)[0]
 
 
 def bench_int8(batch: int, ctx: int, layouts) -> None:
@@ -182,8 +176,7 @@ def bench_sweep(batch: int, ctx: int, num_q_heads: int = 32, num_kv_heads: int =
     For choosing ``decode_attention._CONFIGS`` from measurements: one GPU run
     both reports the shipped config and shows what the alternatives give.
     """
-    from kernels.decode_attention import _CONFIGS, _num_sms, choose_num_splits, paged_decode_attention
-    from kernels.tiles import padded
+    from kernels.decode_attention import _num_sms, choose_num_splits, default_tile_config, paged_decode_attention
 
     generator = torch.Generator().manual_seed(3)
     q = torch.randn(batch, num_q_heads, head_dim, generator=generator).to(DEVICE, DTYPE)
@@ -192,7 +185,7 @@ def bench_sweep(batch: int, ctx: int, num_q_heads: int = 32, num_kv_heads: int =
     del k
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
     kv_bytes = 2 * batch * num_kv_heads * ctx * head_dim * 2
-    shipped = _CONFIGS[(padded(head_dim), False)]
+    shipped = default_tile_config(head_dim, False)
     shipped_splits = choose_num_splits(batch, num_kv_heads, ctx, shipped[0], _num_sms(q.device))
     results = []
     grid = itertools.product((32, 64, 128), (4, 8), (2, 3), sorted({1, 2, 4, shipped_splits}))

@@ -49,6 +49,11 @@ _MAX_SPLITS = 64
 _PROGRAMS_PER_SM = 4  # enough loads in flight per SM; ~5 such programs fit on an SM (registers, smem)
 
 
+def default_tile_config(head_dim: int, is_int8: bool) -> tuple[int, int, int]:
+    """(tokens per tile, num_warps, num_stages) for a head dim and whether any cache is INT8."""
+    return _CONFIGS.get((padded(head_dim), is_int8), _DEFAULT_CONFIG)
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     """Streaming multiprocessors to fill; 1 off-GPU, where the interpreter runs programs one by one."""
@@ -215,7 +220,7 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     head_dim_pad = padded(head_dim)
     is_int8 = k_scale is not None or v_scale is not None
-    tile_tokens, num_warps, num_stages = tile_config or _CONFIGS.get((head_dim_pad, is_int8), _DEFAULT_CONFIG)
+    tile_tokens, num_warps, num_stages = tile_config or default_tile_config(head_dim, is_int8)
     if num_splits is None:
         max_seq_len = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_tokens, _num_sms(q.device))

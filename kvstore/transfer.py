@@ -111,6 +111,15 @@ def block_nbytes(cache: KVCache) -> int:
     return sum(r.shape[1] for r in _regions(cache))
 
 
+def _region_parts(cache: KVCache, flat, n: int):
+    """``(region, part)`` pairs: ``flat``, the region-major bytes of ``n`` blocks, cut at each region's share."""
+    offset = 0
+    for region in _regions(cache):
+        size = n * region.shape[1]
+        yield region, flat[offset : offset + size].reshape(n, -1)
+        offset += size
+
+
 def read_blocks(cache: KVCache, block_ids: list[int]) -> bytes:
     """The blocks' bytes, region-major: for each layer's K, V (then scales), those blocks in order.
 
@@ -120,11 +129,8 @@ def read_blocks(cache: KVCache, block_ids: list[int]) -> bytes:
     device = cache.buffer.device
     index = torch.tensor(block_ids, dtype=torch.long, device=device)
     out = torch.empty(len(block_ids) * block_nbytes(cache), dtype=torch.uint8, device=device)
-    offset = 0
-    for region in _regions(cache):
-        size = len(block_ids) * region.shape[1]
-        torch.index_select(region, 0, index, out=out[offset : offset + size].view(len(block_ids), -1))
-        offset += size
+    for region, part in _region_parts(cache, out, len(block_ids)):
+        torch.index_select(region, 0, index, out=part)
     return out.cpu().numpy().tobytes()
 
 
@@ -137,24 +143,18 @@ def write_blocks(cache: KVCache, block_ids: list[int], data: bytes) -> None:
     n = len(block_ids)
     if len(data) != n * block_nbytes(cache):
         raise ValueError(f"KV chunk holds {len(data)} bytes, {n} blocks need {n * block_nbytes(cache)}")
-    on_cpu = cache.buffer.device.type == "cpu"
-    if on_cpu:
-        source = np.frombuffer(data, dtype=np.uint8)
+    device = cache.buffer.device
+    if device.type == "cpu":
         index = np.asarray(block_ids, dtype=np.int64)
-    else:
-        with warnings.catch_warnings():  # read-only source: torch warns that it cannot write to ``bytes``
-            warnings.simplefilter("ignore", UserWarning)
-            source = torch.frombuffer(data, dtype=torch.uint8).to(cache.buffer.device)
-        index = torch.tensor(block_ids, dtype=torch.long, device=cache.buffer.device)
-    offset = 0
-    for region in _regions(cache):
-        size = n * region.shape[1]
-        part = source[offset : offset + size].reshape(n, -1)
-        if on_cpu:
+        for region, part in _region_parts(cache, np.frombuffer(data, dtype=np.uint8), n):
             region.numpy()[index] = part
-        else:
-            region.index_copy_(0, index, part)
-        offset += size
+        return
+    with warnings.catch_warnings():  # read-only source: torch warns that it cannot write to ``bytes``
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.frombuffer(data, dtype=torch.uint8).to(device)
+    index = torch.tensor(block_ids, dtype=torch.long, device=device)
+    for region, part in _region_parts(cache, source, n):
+        region.index_copy_(0, index, part)
 
 
 def checksum(data: bytes) -> str:

@@ -84,3 +84,11 @@ def greedy(max_tokens: int = NUM_NEW_TOKENS, **kw):
     from engine import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="session")
+def random_qwen2_dir(tmp_path_factory):
+    """Qwen2-0.5B's width, heads, vocabulary, RoPE theta, q/k/v biases and tied embeddings, in 2 layers (fp32)."""
+    from engine.random_model import write_random_model
+
+    return write_random_model(tmp_path_factory.mktemp("qwen2"), "qwen2-0.5b", num_layers=2, dtype=torch.float32)

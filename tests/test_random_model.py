@@ -6,22 +6,13 @@ The engine's outputs on such a model are checked against transformers in ``test_
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory):
-    """Qwen2-0.5B's width, heads, vocabulary, RoPE theta, q/k/v biases and tied embeddings, in 2 layers."""
-    from engine.random_model import write_random_model
-
-    return write_random_model(tmp_path_factory.mktemp("qwen2"), "qwen2-0.5b", num_layers=2, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def qwen2_llm(qwen2_dir):
-    return LLM(str(qwen2_dir), skip_tokenizer_init=True, block_size=16, num_blocks=64)
+def qwen2_llm(random_qwen2_dir):
+    return LLM(str(random_qwen2_dir), skip_tokenizer_init=True, block_size=16, num_blocks=64)
 
 
 def test_random_qwen2_has_the_real_shape(qwen2_llm):
@@ -35,9 +26,9 @@ def test_random_qwen2_has_the_real_shape(qwen2_llm):
     assert config.num_layers == 2
 
 
-def test_without_tokenizer_text_inputs_are_refused(qwen2_dir, qwen2_llm):
+def test_without_tokenizer_text_inputs_are_refused(random_qwen2_dir, qwen2_llm):
     with pytest.raises(ValueError, match="no tokenizer files"):
-        LLM(str(qwen2_dir), block_size=16, num_blocks=64)
+        LLM(str(random_qwen2_dir), block_size=16, num_blocks=64)
     with pytest.raises(ValueError, match="send token ids, not text"):
         qwen2_llm.generate("hello")
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
