@@ -34,7 +34,9 @@ import grpc
 
 from decode_service.kv_receiver import KVReceiver
 from engine import LLMEngine, RequestOutput, SamplingParams
-from kvserve.serving import GRPC_OPTIONS, Loop, sampling_from_proto, sampling_to_proto
+from rpc.auth import GRPC_OPTIONS
+from rpc.convert import sampling_from_proto, sampling_to_proto
+from rpc.loop import Loop
 from kvstore.registry import Registry
 from kvstore.transfer import checksum_blocks, choose_backend, export_cuda_ipc, fingerprint
 from kvstore.workers import WorkerInfo, local_host_id

@@ -31,7 +31,7 @@ def _demo(args: argparse.Namespace) -> None:
 
 def _up(args: argparse.Namespace) -> None:
     from kvserve.cluster import run_until_signal, start_cluster
-    from kvserve.serving import engine_args_to_argv
+    from rpc.flags import engine_args_to_argv
 
     print(f"kvserve: starting {args.prefill} prefill + {args.decode} decode workers and a router...", flush=True)
     cluster = start_cluster(num_prefill=args.prefill, num_decode=args.decode, port=args.port,
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
 
     sub.add_parser("bench", help="benchmarks: 'kvserve bench offline|serve|transfer|cuda_ipc --help'")
 
-    from kvserve.serving import add_engine_args
+    from rpc.flags import add_engine_args
 
     up = sub.add_parser("up", help="start a local cluster: Redis, prefill and decode workers, router")
     up.add_argument("--prefill", type=int, default=1, help="number of prefill workers")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from engine.bundled import resolve_model
 from kvserve.redis_server import EmbeddedRedis, ensure_redis
-from kvserve.serving import wait_healthy
+from rpc.server import wait_healthy
 
 
 @dataclass

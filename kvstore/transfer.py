@@ -138,7 +138,7 @@ def write_blocks(cache: KVCache, block_ids: list[int], data: bytes) -> None:
     """Inverse of ``read_blocks``: write ``data`` into ``block_ids`` of this pool.
 
     Runs on gRPC threads, so on the CPU it copies with NumPy, not with PyTorch ops
-    that would start another OpenMP pool (see ``kvserve.serving.Loop``).
+    that would start another OpenMP pool (see ``rpc.loop.Loop``).
     """
     n = len(block_ids)
     if len(data) != n * block_nbytes(cache):

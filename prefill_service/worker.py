@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine import LLMEngine, SamplingParams
-from kvserve.serving import GRPC_OPTIONS, Loop, sampling_from_proto
+from rpc.auth import GRPC_OPTIONS
+from rpc.convert import sampling_from_proto
+from rpc.loop import Loop
 from kvstore.kv_cache import KVCache
 from kvstore.transfer import (
     checksum,

@@ -24,7 +24,8 @@ from collections import Counter
 import grpc
 
 from engine.tokenizer import Tokenizer
-from kvserve.serving import GRPC_OPTIONS, sampling_from_proto
+from rpc.auth import GRPC_OPTIONS
+from rpc.convert import sampling_from_proto
 from kvstore.registry import Registry
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc

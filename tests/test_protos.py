@@ -19,7 +19,7 @@ def test_sampling_options_round_trip():
     """What the decode worker sends a prefill worker is read back as the same settings, seed included
     (floats travel as float32, so the values here are exact in float32)."""
     from engine import SamplingParams
-    from kvserve.serving import sampling_from_proto, sampling_to_proto
+    from rpc.convert import sampling_from_proto, sampling_to_proto
 
     params = SamplingParams(temperature=0.75, top_p=0.875, top_k=20, seed=11, max_tokens=5, repetition_penalty=1.25,
                             stop=["\n\n"], stop_token_ids=[2, 7], ignore_eos=True)  # fmt: skip
