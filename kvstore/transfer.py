@@ -31,7 +31,8 @@ import xxhash
 
 from kvstore.kv_cache import KVCache, KVCacheSpec, LayerKV
 
-SHM_DIR = Path("/dev/shm")
+SHM_ROOT = Path("/dev/shm")
+SHM_DIR_ENV = "KVSERVE_SHM_DIR"  # the cluster's directory of pool files; ``kvserve up`` sets one per cluster
 CHUNK_BLOCKS = 16  # blocks per gRPC KV chunk (about 12 MB for the bundled model in float32)
 
 
@@ -54,10 +55,38 @@ def choose_backend(src_host: str, dst_host: str, dst_device: str, dst_has_shm: b
 # -- shared-memory pools ------------------------------------------------------------------------------
 
 
+def pool_dir() -> Path:
+    """This process's directory of shared-memory pool files (created mode 0700): ``$KVSERVE_SHM_DIR``, else
+    ``kvserve-<uid>`` under /dev/shm (or $TMPDIR where there is no /dev/shm). A prefill worker maps only
+    pool files inside its own ``pool_dir()``: the cluster's directory."""
+    configured = os.environ.get(SHM_DIR_ENV)
+    root = SHM_ROOT if SHM_ROOT.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    directory = Path(configured) if configured else root / f"kvserve-{os.getuid()}"
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return directory
+
+
+def pool_file_name(worker_id: str, pid: int) -> str:
+    return f"kvserve-{worker_id}-{pid}"
+
+
+def remove_stale_pools(directory: Path) -> list[Path]:
+    """Delete pool files whose owning process (the pid in the name) no longer exists; returns them."""
+    removed = []
+    for path in directory.glob("kvserve-*-*"):
+        try:
+            pid = int(path.name.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
 def create_shared_pool(spec: KVCacheSpec, num_blocks: int, name: str) -> tuple[KVCache, Path]:
     """A KV pool whose bytes live in a new shared-memory file readable and writable by this user only."""
-    directory = SHM_DIR if SHM_DIR.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-    path = directory / f"kvserve-{name}-{os.getpid()}"
+    path = pool_dir() / pool_file_name(name, os.getpid())
     nbytes = spec.total_bytes(num_blocks)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
