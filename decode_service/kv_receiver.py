@@ -1,7 +1,8 @@
-"""The decode worker's end of the ``grpc`` transfer backend: pushed KV chunks into reserved blocks."""
+"""The decode worker's end of the ``grpc`` transfer backend: pushed KV chunks into leased blocks."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import grpc
@@ -11,38 +12,41 @@ from kvstore.kv_cache import KVCache
 from kvstore.transfer import checksum, write_blocks
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+from rpc.auth import CALLER_METADATA
 
 
 class KVReceiver(pb_grpc.KVTransferServicer):
-    """Verifies each chunk (fingerprint, checksum, destination blocks reserved for that request) and
-    writes it into the pool; answers with the checksum of everything written, in order."""
+    """Writes a chunk only when its fingerprint and checksum hold, and every block it names is leased to that
+    request and to the prefill worker sending it (the caller's ``x-kvserve-worker``, on a call the token
+    interceptor let through). Answers with the checksum of everything written, in order."""
 
-    def __init__(self, kv_cache: KVCache, fingerprint: str, reserved_blocks: Callable[[str], list[int]]) -> None:
+    def __init__(self, kv_cache: KVCache, fingerprint: str,
+                 lease_holder: Callable[[str], tuple[list[int], str]]) -> None:  # fmt: skip
         self.kv_cache = kv_cache
         self.fingerprint = fingerprint
-        self.reserved_blocks = reserved_blocks  # request id -> its reserved block ids ([] if none)
+        self.lease_holder = lease_holder  # request id -> (leased block ids, prefill worker id); ([], '') if none
 
-    def PushKV(self, request_iterator, context: grpc.ServicerContext) -> pb.PushKVResponse:
+    async def PushKV(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushKVResponse:
+        caller = dict(context.invocation_metadata() or ()).get(CALLER_METADATA, "")
         hasher, num_chunks, num_bytes = xxhash.xxh3_128(), 0, 0
-        for chunk in request_iterator:
+        async for chunk in request_iterator:
             if chunk.fingerprint != self.fingerprint:
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"KV fingerprint {chunk.fingerprint!r} differs from this worker's {self.fingerprint!r}",
-                )
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"KV fingerprint {chunk.fingerprint!r} differs from this worker's "
+                                    f"{self.fingerprint!r}")  # fmt: skip
             if checksum(chunk.data) != chunk.checksum:
-                context.abort(
-                    grpc.StatusCode.DATA_LOSS, f"KV chunk {num_chunks} of {chunk.request_id} fails its checksum"
-                )
-            if not set(chunk.block_ids) <= set(self.reserved_blocks(chunk.request_id)):
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"blocks {list(chunk.block_ids)[:4]}... are not reserved for {chunk.request_id!r}",
-                )
+                await context.abort(grpc.StatusCode.DATA_LOSS,
+                                    f"KV chunk {num_chunks} of {chunk.request_id} fails its checksum")  # fmt: skip
+            leased, holder = self.lease_holder(chunk.request_id)
+            if not leased or holder != caller or not set(chunk.block_ids) <= set(leased):
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"blocks {list(chunk.block_ids)[:4]} are not leased to request "
+                                    f"{chunk.request_id!r} and prefill worker {caller!r}")  # fmt: skip
             try:
-                write_blocks(self.kv_cache, list(chunk.block_ids), chunk.data)
+                # NumPy copy off the event loop (no OpenMP pool: see rpc.loop.Loop)
+                await asyncio.to_thread(write_blocks, self.kv_cache, list(chunk.block_ids), chunk.data)
             except ValueError as err:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             hasher.update(chunk.data)
             num_chunks += 1
             num_bytes += len(chunk.data)

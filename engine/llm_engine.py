@@ -16,7 +16,7 @@ from engine.bundled import resolve_model
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
 from engine.sampler import skip_draw
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, check_token_ids
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -38,6 +38,15 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     num_preemptions: int = 0
+
+
+class StepError(RuntimeError):
+    """A step's model run failed. ``request_ids`` are the requests of that batch: abort them (their KV is
+    suspect); the engine itself stays usable for the others."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"model step failed for {len(request_ids)} requests")
+        self.request_ids = request_ids
 
 
 class LLMEngine:
@@ -81,10 +90,7 @@ class LLMEngine:
             ids = list(prompt)
             if not ids:
                 raise ValueError("prompt is empty: send at least one character or token id")
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+            check_token_ids(ids, self.model_config.vocab_size, "prompt token ids")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but at most {self.max_model_len - 1} fit "
@@ -95,7 +101,7 @@ class LLMEngine:
 
     def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """Check a request without queueing it; return its prompt's token ids."""
-        params.validate()
+        params.validate(self.model_config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this engine runs with skip_tokenizer_init")
         return self.tokenize(prompt)
@@ -178,11 +184,14 @@ class LLMEngine:
     # -- the loop -----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output for every request that got a token this step."""
+        """Run one batch; return an output for every request that got a token this step. Raises ``StepError``."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        tokens = self.runner.execute(batch)
+        try:
+            tokens = self.runner.execute(batch)
+        except Exception as err:
+            raise StepError([seq.seq_id for seq in batch.seqs]) from err
         outputs = []
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens, strict=True):
             seq.num_computed_tokens += n

@@ -170,6 +170,9 @@ def write_blocks(cache: KVCache, block_ids: list[int], data: bytes) -> None:
     that would start another OpenMP pool (see ``rpc.loop.Loop``).
     """
     n = len(block_ids)
+    bad = [b for b in block_ids if not 0 <= b < cache.num_blocks]
+    if bad:
+        raise ValueError(f"block ids {bad[:4]} are outside this pool of {cache.num_blocks} blocks")
     if len(data) != n * block_nbytes(cache):
         raise ValueError(f"KV chunk holds {len(data)} bytes, {n} blocks need {n * block_nbytes(cache)}")
     device = cache.buffer.device

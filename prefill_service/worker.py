@@ -1,8 +1,10 @@
 """A prefill request's life on this worker:
 
-1. ``Prefill`` (a gRPC thread) checks the destination's fingerprint, opens the
-   destination pool once per decode worker (``shm``: map its file) and queues
-   a job for the batcher, then waits for it.
+1. ``Prefill`` (a coroutine on the gRPC event loop) checks the destination's
+   fingerprint and its lease (signed by the decode worker for this request, this
+   prefill worker and these blocks: ``rpc.lease``), opens the destination pool
+   once per decode worker (``shm``: map its file, only inside this cluster's pool
+   directory) and queues a job for the batcher, then awaits it.
 2. The batcher (``self.loop``: the process's main thread) gathers jobs until
    ``max_batch_tokens`` prompt tokens are waiting or ``max_wait_ms`` has passed
    since the first one, adds them all to its engine with ``max_tokens=1`` and
@@ -10,27 +12,24 @@
    engine's token budget. With ``shm`` every layer stores each new token's K/V
    straight into the destination slots as it is computed; with ``grpc`` the
    finished blocks are read out of our own pool before they are released.
-3. Back on the gRPC thread: ``grpc`` streams the bytes to the decode worker's
+3. Back on the event loop: ``grpc`` streams the bytes to the decode worker's
    ``PushKV`` in checksummed chunks; the answer carries the first token and
    the checksum of the destination blocks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import queue
-import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import grpc
 
 from engine import LLMEngine, SamplingParams
-from rpc.auth import GRPC_OPTIONS
-from rpc.convert import sampling_from_proto
-from rpc.loop import Loop
 from kvstore.kv_cache import KVCache
 from kvstore.transfer import (
     checksum,
@@ -39,10 +38,16 @@ from kvstore.transfer import (
     fingerprint,
     open_cuda_ipc_pool,
     open_shared_pool,
+    pool_dir,
     read_blocks,
 )
+from kvstore.workers import WorkerInfo, local_host_id
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+from rpc import lease
+from rpc.auth import Security
+from rpc.convert import sampling_from_proto
+from rpc.loop import Loop
 
 log = logging.getLogger(__name__)
 
@@ -67,70 +72,64 @@ class PrefillResult:
 
 
 class PrefillWorker(pb_grpc.PrefillServicer):
-    def __init__(self, engine: LLMEngine, worker_id: str, max_batch_tokens: int = 4096, max_wait_ms: float = 20.0):
+    def __init__(self, engine: LLMEngine, worker_id: str, address: str, security: Security,
+                 max_batch_tokens: int = 4096, max_wait_ms: float = 20.0) -> None:  # fmt: skip
         self.engine = engine
         self.worker_id = worker_id
+        self.address = address
+        self.security = security
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_ms / 1000
         runner = engine.runner
         self.fingerprint = fingerprint(engine.model_config.architecture, runner.kv_spec)
-        self._pools: dict[str, KVCache] = {}
-        self._pools_lock = threading.Lock()
+        self._pools: dict[str, KVCache] = {}  # opened on the event loop only
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self._jobs: queue.Queue[PrefillJob] = queue.Queue()
         self._num_running = 0
         self.batch_sizes: list[int] = []  # requests per batch, in order (for tests and stats)
         self.num_cancelled = 0  # jobs dropped because their caller gave up
+        self._drain_deadline: float | None = None
         self.loop = Loop(self._batch_once, "prefill-batcher")  # the process's main thread runs it (see Loop)
 
-    # -- gRPC -----------------------------------------------------------------------------------------
+    # -- gRPC (event loop) ----------------------------------------------------------------------------
 
-    def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        if self._drain_deadline is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.worker_id} is shutting down")
         dest = request.destination
         if dest.fingerprint != self.fingerprint:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"KV layout fingerprint {dest.fingerprint!r} differs from this prefill worker's {self.fingerprint!r}: "
-                "the workers run different models, dtypes or block sizes",
-            )
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"KV layout fingerprint {dest.fingerprint!r} differs from this prefill worker's "
+                                f"{self.fingerprint!r}: the workers run different models, dtypes or "
+                                "block sizes")  # fmt: skip
+        refusal = lease.refusal(self.security, request.request_id, dest, self.worker_id, pool_dir())
+        if refusal:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         try:
             params = sampling_from_proto(request.sampling)
-            prompt = self.engine.tokenize(list(request.prompt_token_ids))
+            prompt = self.engine.validate(list(request.prompt_token_ids), params)
         except ValueError as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        if len(dest.block_ids) < self.engine.block_manager.num_blocks_for(len(prompt)):
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"{len(dest.block_ids)} blocks cannot hold {len(prompt)} tokens"
-            )
-        pool = None
-        if dest.backend == "shm":
-            try:
-                pool = self._open_pool(dest.shm_path, dest.num_blocks)
-            except (OSError, ValueError) as err:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot map the decode worker's KV pool: {err}")
-        elif dest.backend == "cuda_ipc":
-            try:
-                pool = self._open_ipc_pool(dest.worker_id, dest.cuda_ipc_handle, dest.num_blocks)
-            except (RuntimeError, ValueError) as err:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the decode worker's CUDA pool: {err}")
-        elif dest.backend != "grpc":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"transfer backend {dest.backend!r} is not served here")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        num_blocks = self.engine.block_manager.num_blocks_for(len(prompt))
+        if len(dest.block_ids) < num_blocks:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{len(dest.block_ids)} blocks cannot hold {len(prompt)} tokens")  # fmt: skip
+        pool = await self._destination_pool(dest, context)
         job = PrefillJob(request.request_id, prompt, params, dest, pool)
-        context.add_callback(lambda: setattr(job, "cancelled", not job.future.done()))
         self._jobs.put(job)
         try:
-            remaining = context.time_remaining()  # effectively infinite when the caller set no deadline
-            result: PrefillResult = job.future.result(timeout=remaining if remaining < 1e6 else None)
-        except TimeoutError:
+            result: PrefillResult = await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:  # the caller gave up (cancelled, deadline): never write for it again
             job.cancelled = True
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish before the caller's deadline")
+            raise
         except Exception as err:  # noqa: BLE001 - reported to the caller as the RPC's status
-            context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {err}")
+            await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {err}")
         start = time.perf_counter()
-        dst_blocks = list(dest.block_ids)[: self.engine.block_manager.num_blocks_for(len(prompt))]
+        dst_blocks = list(dest.block_ids)[:num_blocks]
         if pool is not None:  # shm or cuda_ipc: the bytes are already in the decode worker's pool
-            digest = checksum_blocks(pool, dst_blocks)
+            digest = await asyncio.to_thread(checksum_blocks, pool, dst_blocks)
         else:
-            digest = self._push(dest, request.request_id, dst_blocks, result.chunks)
+            digest = await self._push(dest, request.request_id, dst_blocks, result.chunks)
         return pb.PrefillResponse(
             first_token_id=result.first_token,
             checksum=digest,
@@ -141,34 +140,39 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             worker_id=self.worker_id,
         )
 
-    def _open_pool(self, path: str, num_blocks: int) -> KVCache:
-        with self._pools_lock:
-            if path not in self._pools:
-                self._pools[path] = open_shared_pool(self.engine.runner.kv_spec, num_blocks, path)
-            return self._pools[path]
+    async def _destination_pool(self, dest: pb.KVDestination, context: grpc.aio.ServicerContext) -> KVCache | None:
+        """The decode worker's pool, opened once per pool (``shm``, ``cuda_ipc``); None for ``grpc``."""
+        spec = self.engine.runner.kv_spec
+        try:
+            if dest.backend == "shm":
+                key = f"shm:{dest.shm_path}"
+                if key not in self._pools:
+                    self._pools[key] = open_shared_pool(spec, dest.num_blocks, dest.shm_path)
+            elif dest.backend == "cuda_ipc":
+                key = f"cuda_ipc:{dest.worker_id}:{dest.cuda_ipc_handle[:64].hex()}"
+                if key not in self._pools:
+                    self._pools[key] = open_cuda_ipc_pool(spec, dest.num_blocks, dest.cuda_ipc_handle)
+            elif dest.backend == "grpc":
+                return None
+            else:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"transfer backend {dest.backend!r} is not served here")  # fmt: skip
+        except (OSError, RuntimeError, ValueError) as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the decode worker's KV pool: {err}")
+        return self._pools[key]
 
-    def _open_ipc_pool(self, worker_id: str, handle: bytes, num_blocks: int) -> KVCache:
-        key = f"cuda_ipc:{worker_id}:{handle[:64].hex()}"
-        with self._pools_lock:
-            if key not in self._pools:
-                self._pools[key] = open_cuda_ipc_pool(self.engine.runner.kv_spec, num_blocks, handle)
-            return self._pools[key]
-
-    def _push(self, dest: pb.KVDestination, request_id: str, dst_blocks: list[int], chunks: list[bytes]) -> str:
+    async def _push(self, dest: pb.KVDestination, request_id: str, dst_blocks: list[int], chunks: list[bytes]) -> str:
         dst_chunks = chunked(dst_blocks)
 
-        def messages():
+        async def messages():
             for i, data in enumerate(chunks):
-                yield pb.KVChunk(
-                    request_id=request_id,
-                    fingerprint=self.fingerprint,
-                    block_ids=dst_chunks[i],
-                    data=data,
-                    checksum=checksum(data),
-                )
+                yield pb.KVChunk(request_id=request_id, fingerprint=self.fingerprint, block_ids=dst_chunks[i],
+                                 data=data, checksum=checksum(data))  # fmt: skip
 
-        with grpc.insecure_channel(dest.address, options=GRPC_OPTIONS) as channel:
-            reply = pb_grpc.KVTransferStub(channel).PushKV(messages(), timeout=30)
+        if dest.address not in self._channels:
+            self._channels[dest.address] = self.security.aio_channel(dest.address)
+        stub = pb_grpc.KVTransferStub(self._channels[dest.address])
+        reply = await stub.PushKV(messages(), timeout=30, metadata=self.security.metadata(self.worker_id))
         return reply.checksum
 
     # -- batcher --------------------------------------------------------------------------------------
@@ -177,6 +181,16 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         bm = self.engine.block_manager
         return {"free_blocks": bm.num_free_blocks, "total_blocks": bm.num_blocks,
                 "num_running": self._num_running, "num_waiting": self._jobs.qsize()}  # fmt: skip
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(worker_id=self.worker_id, role="prefill", address=self.address, host_id=local_host_id(),
+                          device=str(self.engine.runner.device), fingerprint=self.fingerprint,
+                          **self.load())  # fmt: skip
+
+    def drain(self, timeout_s: float) -> None:
+        """Refuse new prefills; the batcher stops once the queued ones are done or ``timeout_s`` passes."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + timeout_s
 
     def stop(self) -> None:
         self.loop.stop()
@@ -200,10 +214,21 @@ class PrefillWorker(pb_grpc.PrefillServicer):
 
     def _batch_once(self) -> None:
         batch = self._collect()
-        if batch:
+        if not batch:
+            if self._drain_deadline is not None and (self._jobs.empty() or time.monotonic() > self._drain_deadline):
+                self.loop.stop()
+            return
+        try:
             self._run(batch)
+        except Exception as err:  # noqa: BLE001 - fail this batch's callers, keep the worker serving
+            log.exception("prefill batch of %d failed", len(batch))
+            for job in batch:
+                _settle(job, error=err)
+        finally:
+            self._num_running = 0
 
     def _run(self, batch: list[PrefillJob]) -> None:
+        """Prefill ``batch`` together. Every job's future is settled, and its blocks released, on every path."""
         engine = self.engine
         start = time.perf_counter()
         pending: dict[str, PrefillJob] = {}
@@ -215,25 +240,20 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                 continue
             rid = f"prefill-{job.request_id}-{id(job)}"
             params = dataclasses.replace(job.params, max_tokens=1, stop=[], ignore_eos=True)
+            dest = None if job.dest_pool is None else (job.dest_pool.layers, list(job.destination.block_ids))
             try:
-                dest = None
-                if job.dest_pool is not None:
-                    dest = (job.dest_pool.layers, list(job.destination.block_ids))
                 engine.add_request(job.prompt, params, rid, kv_destination=dest, hold_blocks=True)
                 pending[rid] = job
-            except ValueError as err:
-                job.future.set_exception(err)
+            except Exception as err:  # noqa: BLE001 - this job only
+                _settle(job, error=err)
         try:
             while pending:
                 for rid in [rid for rid, job in pending.items() if job.cancelled]:
                     self.num_cancelled += 1
-                    engine.abort(rid)
-                    engine.release(rid)
+                    self._drop(rid)
                     pending.pop(rid)
                 for out in engine.step():
-                    if not out.finished:
-                        continue
-                    job = pending.pop(out.request_id, None)
+                    job = pending.pop(out.request_id, None) if out.finished else None
                     if job is None:
                         continue
                     data = None
@@ -241,12 +261,22 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                         table = engine.block_manager.block_table(out.request_id)
                         data = [read_blocks(engine.runner.kv_cache, part) for part in chunked(table)]
                     engine.release(out.request_id)
-                    job.future.set_result(PrefillResult(out.token_ids[0], data, (time.perf_counter() - start) * 1e3))
-        except Exception as err:  # noqa: BLE001 - fail the whole batch, keep the worker alive
-            log.exception("prefill batch failed")
-            for rid, job in pending.items():
-                engine.abort(rid)
-                engine.release(rid)
-                job.future.set_exception(err)
+                    _settle(job, PrefillResult(out.token_ids[0], data, (time.perf_counter() - start) * 1e3))
         finally:
-            self._num_running = 0
+            for rid in pending:
+                self._drop(rid)
+
+    def _drop(self, rid: str) -> None:
+        self.engine.abort(rid)
+        self.engine.release(rid)
+
+
+def _settle(job: PrefillJob, result: PrefillResult | None = None, error: BaseException | None = None) -> None:
+    """Answer a job's caller once; a caller that cancelled (its future is cancelled) gets nothing."""
+    try:
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
+    except InvalidStateError:
+        pass

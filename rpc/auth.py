@@ -164,7 +164,8 @@ def add_security_args(parser: argparse.ArgumentParser) -> None:
                        help="serve internal RPCs without the cluster token (logs a warning)")
     group.add_argument("--tls-cert", default=None, help="PEM certificate for this process's ports")
     group.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    group.add_argument("--tls-ca", default=None, help="PEM CA: verify peers with it and require client certificates")  # fmt: skip
+    group.add_argument("--tls-ca", default=None,
+                       help="PEM CA: verify peers with it and require client certificates")
 
 
 def security_from_args(args: argparse.Namespace) -> Security:

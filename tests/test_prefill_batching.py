@@ -7,26 +7,26 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from service_utils import TEST_SECURITY, InProcessServer
 
 from decode_service.worker import DecodeWorker
 from engine import LLMEngine
 from kvserve.redis_server import EmbeddedRedis
-from kvserve.serving import new_server, start_server
 from kvstore.registry import Registry
 from kvstore.transfer import checksum_blocks, create_shared_pool
 from kvstore.workers import WorkerInfo
 from prefill_service.worker import PrefillWorker
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+from rpc import lease
+from rpc.loop import AsyncioThread
 
 
 def _serve_prefill(engine, max_wait_ms):
-    worker = PrefillWorker(engine, "prefill-b", max_batch_tokens=4096, max_wait_ms=max_wait_ms)
+    worker = PrefillWorker(engine, "prefill-b", "", TEST_SECURITY, max_batch_tokens=4096, max_wait_ms=max_wait_ms)
     worker.loop.start()
-    server = new_server()
-    pb_grpc.add_PrefillServicer_to_server(worker, server)
-    port, _ = start_server(server, ["kvserve.v1.Prefill"], "127.0.0.1:0")
-    return worker, server, f"127.0.0.1:{port}"
+    server = InProcessServer({"Prefill": worker})
+    return worker, server, server.address
 
 
 def test_concurrent_prefills_share_one_batch(engine_prompts):
@@ -38,12 +38,14 @@ def test_concurrent_prefills_share_one_batch(engine_prompts):
         def prefill(i):
             prompt = engine_prompts[i]
             blocks = list(range(16 * i, 16 * i + engine.block_manager.num_blocks_for(len(prompt))))
-            dest = pb.KVDestination(worker_id="d", backend="shm", fingerprint=worker.fingerprint, block_ids=blocks,
-                                    shm_path=str(path), num_blocks=64)  # fmt: skip
+            dest = pb.KVDestination(worker_id="batch-test", backend="shm", fingerprint=worker.fingerprint,
+                                    block_ids=blocks, shm_path=str(path), num_blocks=64)  # fmt: skip
+            lease.grant(TEST_SECURITY, f"r{i}", dest, "prefill-b", ttl_s=60)
             request = pb.PrefillRequest(request_id=f"r{i}", prompt_token_ids=prompt,
                                         sampling=pb.SamplingOptions(temperature=0), destination=dest)  # fmt: skip
             with grpc.insecure_channel(address) as channel:
-                reply = pb_grpc.PrefillStub(channel).Prefill(request, timeout=60)
+                reply = pb_grpc.PrefillStub(channel).Prefill(request, timeout=60,
+                                                             metadata=TEST_SECURITY.metadata("batch-test"))
             return reply, blocks
 
         with ThreadPoolExecutor(4) as pool_:
@@ -54,32 +56,33 @@ def test_concurrent_prefills_share_one_batch(engine_prompts):
         assert engine.block_manager.num_free_blocks == 64  # the prefill worker kept nothing
     finally:
         path.unlink()
-        server.stop(0)
+        server.stop()
         worker.stop()
 
 
 @pytest.mark.slow
 def test_expired_lease_quarantines_blocks_and_the_request_completes(engine_prompts, hf_greedy):
     with EmbeddedRedis() as redis:
-        registry = Registry(redis.url, ttl_s=30)
+        registry = Registry(redis.url, security=TEST_SECURITY, ttl_s=30)
         slow_engine = LLMEngine(model="default", num_blocks=64, block_size=16)
         prefill, prefill_server, prefill_address = _serve_prefill(slow_engine, max_wait_ms=4000)
         # the slow prefill worker is the only one registered; it holds each batch open for 4 s
         prefill_info = WorkerInfo(worker_id="prefill-b", role="prefill", address=prefill_address,
                                   fingerprint=prefill.fingerprint)  # fmt: skip
         registry.register(prefill_info)
-        engine = LLMEngine(model="default", num_blocks=32, block_size=16, shared_kv_name="lease-test")
-        decode = DecodeWorker(engine, "decode-l", "127.0.0.1:0", Registry(redis.url), prefill_timeout_s=1.0,
-                              shm_path=str(engine.runner.kv_pool_path))  # fmt: skip
+        engine = LLMEngine(model="default", num_blocks=32, block_size=16, shared_kv_name="decode-l")
+        aio = AsyncioThread()
+        decode = DecodeWorker(engine, "decode-l", "127.0.0.1:0", aio, TEST_SECURITY,
+                              Registry(redis.url, security=TEST_SECURITY), prefill_timeout_s=1.0,
+                              prefill_ms_per_token=0, shm_path=str(engine.runner.kv_pool_path))  # fmt: skip
         decode.loop.start()
-        server = new_server()
-        pb_grpc.add_DecodeServicer_to_server(decode, server)
-        port, _ = start_server(server, ["kvserve.v1.Decode"], "127.0.0.1:0")
+        server = InProcessServer({"Decode": decode}, aio=aio)
         try:
             sampling = pb.SamplingOptions(temperature=0, max_tokens=32, ignore_eos=True)
             request = pb.DecodeRequest(request_id="lease", prompt_token_ids=engine_prompts[5], sampling=sampling)
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                messages = list(pb_grpc.DecodeStub(channel).Generate(request, timeout=120))
+            with grpc.insecure_channel(server.address) as channel:
+                call = pb_grpc.DecodeStub(channel).Generate(request, timeout=120, metadata=TEST_SECURITY.metadata())
+                messages = list(call)
             assert [t for m in messages for t in m.token_ids] == hf_greedy[5]
             assert messages[-1].transfer_backend == "local"  # the lease expired, so it was prefilled here
             assert decode.num_quarantined == 1  # its first blocks were held back, not reused at once
@@ -91,9 +94,10 @@ def test_expired_lease_quarantines_blocks_and_the_request_completes(engine_promp
                 assert time.monotonic() < deadline, "quarantined blocks were never freed"
                 time.sleep(0.1)
         finally:
-            server.stop(0)
+            server.stop()
             decode.stop()
-            prefill_server.stop(0)
+            aio.stop()
+            prefill_server.stop()
             prefill.stop()
             engine.close()
             registry.stop()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
+from service_utils import TEST_SECURITY, InProcessServer
 
 from decode_service.worker import DecodeWorker
 from engine import LLMEngine, SamplingParams
-from kvserve.serving import new_server, start_server
 from kvstore import KVCache, KVCacheSpec
 from kvstore.transfer import (
     checksum,
@@ -23,6 +23,7 @@ from kvstore.transfer import (
 from prefill_service.worker import PrefillWorker
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+from rpc.loop import AsyncioThread
 
 
 def _mapped_file(address: int) -> str | None:
@@ -100,18 +101,17 @@ def test_fingerprint_depends_on_layout():
 @pytest.fixture(scope="module")
 def decode_server(prefill_engine):
     engine = LLMEngine(model="default", num_blocks=32, block_size=16)
-    server = new_server()
-    worker = DecodeWorker(engine, "decode-t", "127.0.0.1:0")
+    aio = AsyncioThread()
+    worker = DecodeWorker(engine, "decode-t", "127.0.0.1:0", aio, TEST_SECURITY)
     worker.loop.start()
-    pb_grpc.add_KVTransferServicer_to_server(worker.receiver, server)
-    prefill = PrefillWorker(prefill_engine, "prefill-t")
+    prefill = PrefillWorker(prefill_engine, "prefill-t", "", TEST_SECURITY)
     prefill.loop.start()
-    pb_grpc.add_PrefillServicer_to_server(prefill, server)
-    port, _ = start_server(server, ["kvserve.v1.KVTransfer", "kvserve.v1.Prefill"], "127.0.0.1:0")
-    yield f"127.0.0.1:{port}", worker, prefill
-    server.stop(0)
+    server = InProcessServer({"KVTransfer": worker.receiver, "Prefill": prefill}, aio=aio)
+    yield server.address, worker, prefill
+    server.stop()
     worker.stop()
     prefill.stop()
+    aio.stop()
 
 
 def test_corrupted_chunk_is_rejected(decode_server):
@@ -121,7 +121,7 @@ def test_corrupted_chunk_is_rejected(decode_server):
                        checksum=checksum(data + b"x"))  # fmt: skip
     with grpc.insecure_channel(address) as channel:
         with pytest.raises(grpc.RpcError) as err:
-            pb_grpc.KVTransferStub(channel).PushKV(iter([chunk]), timeout=10)
+            pb_grpc.KVTransferStub(channel).PushKV(iter([chunk]), timeout=10, metadata=TEST_SECURITY.metadata())
     assert err.value.code() == grpc.StatusCode.DATA_LOSS and "fails its checksum" in err.value.details()
 
 
@@ -130,12 +130,12 @@ def test_mismatched_fingerprints_are_refused(decode_server):
     with grpc.insecure_channel(address) as channel:
         with pytest.raises(grpc.RpcError) as err:
             chunk = pb.KVChunk(request_id="r", fingerprint="not-ours", block_ids=[0], data=b"", checksum=checksum(b""))
-            pb_grpc.KVTransferStub(channel).PushKV(iter([chunk]), timeout=10)
+            pb_grpc.KVTransferStub(channel).PushKV(iter([chunk]), timeout=10, metadata=TEST_SECURITY.metadata())
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         request = pb.PrefillRequest(request_id="r", prompt_token_ids=[1, 2, 3],
                                     destination=pb.KVDestination(fingerprint="not-ours", backend="grpc",
                                                                  block_ids=[0]))  # fmt: skip
         with pytest.raises(grpc.RpcError) as err:
-            pb_grpc.PrefillStub(channel).Prefill(request, timeout=10)
+            pb_grpc.PrefillStub(channel).Prefill(request, timeout=10, metadata=TEST_SECURITY.metadata())
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "fingerprint" in err.value.details()

@@ -1,0 +1,74 @@
+"""A worker process's life, shared by both roles: start serving, register, run the engine loop on the main
+thread, and on SIGTERM or SIGINT drain (not serving, deregistered, running requests finish), then exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from typing import Protocol
+
+from kvstore.registry import Registry
+from kvstore.workers import WorkerInfo, local_host_id
+from rpc.auth import Security
+from rpc.flags import set_compute_threads
+from rpc.loop import AsyncioThread, Loop
+from rpc.server import add_service, new_server, set_not_serving, start_server
+
+log = logging.getLogger(__name__)
+
+
+class Worker(Protocol):
+    loop: Loop
+
+    def info(self) -> WorkerInfo: ...
+    def load(self) -> dict[str, int]: ...
+    def drain(self, timeout_s: float) -> None: ...
+    def stop(self) -> None: ...
+
+
+def compute_threads(args: argparse.Namespace, registry: Registry | None) -> int:
+    """Set this worker's torch threads: ``--threads``, else its share of the host with the compute workers the
+    registry knows on this host (``kvserve up`` always passes ``--threads``)."""
+    others = 0
+    if args.threads is None and registry is not None:
+        host = local_host_id()
+        others = sum(w.host_id == host for w in registry.workers() if w.role in ("prefill", "decode"))
+    return set_compute_threads(args.threads, others + 1)
+
+
+def serve(worker: Worker, services: dict[str, object], aio: AsyncioThread, security: Security,
+          args: argparse.Namespace, registry: Registry | None, cleanups: list) -> None:  # fmt: skip
+    """Serve ``services`` on ``--host:--port`` until a signal, running ``worker.loop`` on this thread."""
+
+    async def start():
+        server = new_server(security)
+        names = [add_service(server, name, servicer) for name, servicer in services.items()]
+        _, health = await start_server(server, names, f"{args.host}:{args.port}", security)
+        return server, health, names
+
+    server, health, names = aio.run(start())
+    if registry is not None:
+        registry.register(worker.info())
+        registry.start_heartbeat(worker.load)
+
+    def on_signal(signum, _frame) -> None:
+        log.info("%s: draining for up to %.0f s", signal.Signals(signum).name, args.drain_timeout)
+        aio.submit(set_not_serving(health, names))
+        if registry is not None:  # routers stop choosing us; Redis I/O stays off this (the loop's) thread
+            threading.Thread(target=registry.stop, daemon=True).start()
+        worker.drain(args.drain_timeout)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    worker.loop.run()
+    aio.run(server.stop(grace=1.0), timeout_s=10)
+    worker.stop()
+    if registry is not None:
+        registry.stop()
+    for cleanup in cleanups:
+        cleanup()
+    aio.stop()
+    log.info("stopped")
