@@ -8,24 +8,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import Future
 
 import grpc
 
+from decode_service.request import ActiveRequest
+from kvstore.kv_cache import KVCache
 from kvstore.registry import Registry
+from kvstore.transfer import checksum_blocks
 from kvstore.workers import WorkerInfo
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+from rpc import lease
 from rpc.auth import Security
+from rpc.convert import sampling_to_proto
 from rpc.loop import AsyncioThread
 
 log = logging.getLogger(__name__)
 REFRESH_S = 1.0
+# A refused call never reached the prefill worker's queue: it will never write, so its blocks are free at once.
+_REFUSED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.UNAUTHENTICATED)  # fmt: skip
 
 
 class PrefillClient:
     def __init__(self, aio: AsyncioThread, security: Security, worker_id: str, fingerprint: str,
-                 registry: Registry | None) -> None:  # fmt: skip
+                 registry: Registry | None, base_timeout_s: float, ms_per_token: float) -> None:  # fmt: skip
+        self.base_timeout_s = base_timeout_s
+        self.ms_per_token = ms_per_token
         self.aio = aio
         self.security = security
         self.worker_id = worker_id
@@ -49,10 +58,38 @@ class PrefillClient:
         chosen = [w for w in candidates if w.worker_id == preferred]
         return (chosen or sorted(candidates, key=lambda w: (w.num_running + w.num_waiting, w.worker_id)))[0]
 
-    def call(self, address: str, request: pb.PrefillRequest, timeout_s: float) -> Future:
-        """Start the call on the event loop; the returned future ends with the reply or the ``RpcError``.
-        Cancelling the future cancels the call, which tells the prefill worker to drop the job."""
-        return self.aio.submit(self._call(address, request, timeout_s))
+    def timeout_for(self, num_tokens: int) -> float:
+        """A prefill's deadline grows with its prompt, so a long prompt is not given up at a fixed 30 s."""
+        return self.base_timeout_s + num_tokens * self.ms_per_token / 1000
+
+    def start(self, req: ActiveRequest, target: WorkerInfo, dest: pb.KVDestination, timeout_s: float) -> None:
+        """Lease ``dest`` (``req``'s blocks) to ``target`` for ``timeout_s`` and call it; ``req.future`` ends
+        with the reply or the ``RpcError``. Cancelling that future cancels the call, which tells the prefill
+        worker to drop the job."""
+        req.prefill_worker = target.worker_id
+        req.tried.append(target.worker_id)
+        lease.grant(self.security, req.request_id, dest, target.worker_id, timeout_s)
+        call = pb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
+                                 sampling=sampling_to_proto(req.params), destination=dest)  # fmt: skip
+        req.future = self.aio.submit(self._call(target.address, call, timeout_s))
+
+    @staticmethod
+    def outcome(req: ActiveRequest, kv_cache: KVCache, num_blocks: int) -> tuple[pb.PrefillResponse | None,
+                                                                                  str | None, bool]:
+        """(reply, error, writer_done) of a finished, expired or abandoned call: ``error`` is None when the KV
+        arrived intact (our checksum of the first ``num_blocks`` blocks matches the writer's);
+        ``writer_done`` says no late write can still land in the blocks."""
+        if not req.future.done():
+            req.future.cancel()  # lease expired or client gone: the prefill worker drops the job
+        if req.future.cancelled():
+            return None, "cancelled" if req.cancelled else "lease expired", False
+        if (exc := req.future.exception()) is not None:
+            code = exc.code() if isinstance(exc, grpc.RpcError) else None
+            return None, f"{code.name}: {exc.details()}" if code else f"{type(exc).__name__}: {exc}", code in _REFUSED
+        reply: pb.PrefillResponse = req.future.result()
+        if reply.checksum != checksum_blocks(kv_cache, req.block_ids[:num_blocks]):
+            return None, "checksum of the written KV does not match", False
+        return reply, None, True
 
     async def _call(self, address: str, request: pb.PrefillRequest, timeout_s: float) -> pb.PrefillResponse:
         if address not in self._channels:

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine import SamplingParams
+from engine import RequestOutput, SamplingParams
+from kvstore import BlockManager
+from protos.kvserve.v1 import kvserve_pb2 as pb
 
 
 class RequestState(enum.Enum):
@@ -92,3 +94,44 @@ class ActiveRequest:
             return
         self.state = state
         self.emit(error)
+
+    def response(self, out: RequestOutput, worker_id: str) -> pb.GenerateResponse:
+        """The stream message for ``out``; the last one carries usage, timings and who served the request."""
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        msg = pb.GenerateResponse(request_id=self.public_id, token_ids=out.new_token_ids, text=out.new_text)
+        if out.finished:
+            msg.finish_reason = out.finish_reason or ""
+            msg.usage.prompt_tokens = len(self.prompt)
+            msg.usage.completion_tokens = len(out.token_ids)
+            msg.timings.ttft_ms = (self.first_token_at - self.received) * 1000
+            msg.timings.total_ms = (now - self.received) * 1000
+            msg.timings.prefill_ms = self.prefill_ms
+            msg.timings.transfer_ms = self.transfer_ms
+            msg.transfer_backend = self.backend
+            msg.decode_worker = worker_id
+            msg.prefill_worker = self.prefill_worker
+        return msg
+
+
+class Quarantine:
+    """Blocks that a failed or abandoned prefill may still write into: held under a new owner name until the
+    writer's lease has run out, then freed. Never handed to another request before that."""
+
+    def __init__(self, block_manager: BlockManager) -> None:
+        self.block_manager = block_manager
+        self._held: list[tuple[float, str]] = []  # (monotonic deadline, owner name in the block manager)
+        self.num_held = 0  # reservations ever quarantined
+
+    def hold(self, request_id: str, until: float) -> None:
+        stale = f"{request_id}#stale-{time.monotonic_ns()}"
+        self.block_manager.rename(request_id, stale)
+        self._held.append((until, stale))
+        self.num_held += 1
+
+    def free_expired(self) -> None:
+        now = time.monotonic()
+        for _, stale in [h for h in self._held if h[0] <= now]:
+            self.block_manager.free(stale)
+        self._held = [h for h in self._held if h[0] > now]

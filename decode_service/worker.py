@@ -35,24 +35,20 @@ import grpc
 
 from decode_service.kv_receiver import KVReceiver
 from decode_service.prefill_client import PrefillClient
-from decode_service.request import ActiveRequest, RequestState
+from decode_service.request import ActiveRequest, Quarantine, RequestState
 from engine import LLMEngine, RequestOutput
 from engine.llm_engine import StepError
 from kvstore.registry import Registry
-from kvstore.transfer import checksum_blocks, choose_backend, export_cuda_ipc, fingerprint
+from kvstore.transfer import choose_backend, export_cuda_ipc, fingerprint
 from kvstore.workers import WorkerInfo, local_host_id
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from rpc import lease
 from rpc.auth import Security
-from rpc.convert import sampling_from_proto, sampling_to_proto
+from rpc.convert import sampling_from_proto
 from rpc.loop import AsyncioThread, Loop
 
 log = logging.getLogger(__name__)
 S = RequestState
-# A refused call never reached the prefill worker's queue: it will never write, so its blocks are free at once.
-_REFUSED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
-            grpc.StatusCode.UNAUTHENTICATED)  # fmt: skip
 
 
 class DecodeWorker(pb_grpc.DecodeServicer):
@@ -63,27 +59,24 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         self.engine = engine
         self.worker_id = worker_id
         self.address = address
-        self.aio = aio
         self.security = security
-        self.registry = registry
         self.shm_path = shm_path
         self.max_waiting = max_waiting
-        self.prefill_timeout_s = prefill_timeout_s
-        self.prefill_ms_per_token = prefill_ms_per_token
         self.force_backend = force_backend
         self.host_id = local_host_id()
         self.cuda_ipc_handle = export_cuda_ipc(engine.runner.kv_cache) if engine.runner.device.type == "cuda" else b""
         self.fingerprint = fingerprint(engine.model_config.architecture, engine.runner.kv_spec)
-        self.prefills = PrefillClient(aio, security, worker_id, self.fingerprint, registry)
+        self.prefills = PrefillClient(aio, security, worker_id, self.fingerprint, registry, prefill_timeout_s,
+                                      prefill_ms_per_token)  # fmt: skip
         self.receiver = KVReceiver(engine.runner.kv_cache, self.fingerprint, self.lease_holder)
         self._inbox: queue.Queue = queue.Queue()  # ("add" | "abort" | "wake", request) from the gRPC side
         self._queued: deque[ActiveRequest] = deque()
         self._active: dict[str, ActiveRequest] = {}
-        self._quarantine: list[tuple[float, str]] = []
-        self.num_quarantined = 0  # reservations held back from a prefill that may still write
+        self.quarantine = Quarantine(engine.block_manager)
         self._num_waiting = 0  # admitted and not yet holding blocks (counted on the gRPC side, for admission)
         self._waiting_lock = threading.Lock()
-        self._drain_deadline: float | None = None
+        self._drain_deadline: float | None = None  # set by drain(): no admissions from then on
+        self._shutdown_error = (grpc.StatusCode.UNAVAILABLE, f"decode worker {worker_id} is shutting down; retry")
         self.loop = Loop(self._loop_once, "decode-loop")  # the process's main thread runs it (see Loop)
 
     def info(self) -> WorkerInfo:
@@ -97,15 +90,11 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         return {"free_blocks": bm.num_free_blocks, "total_blocks": bm.num_blocks, "num_running": running,
                 "num_waiting": max(0, self._num_waiting)}  # fmt: skip
 
-    @property
-    def draining(self) -> bool:
-        return self._drain_deadline is not None
-
     def drain(self, timeout_s: float) -> None:
         """Stop admitting; the loop stops once the running requests finish or ``timeout_s`` passes."""
         if self._drain_deadline is None:
             self._drain_deadline = time.monotonic() + timeout_s
-            self._inbox.put(("wake", None))
+            self._inbox.put(("wake", None))  # the loop may be asleep on an empty inbox
             log.info("draining: %d requests active, waiting up to %.0f s", len(self._active), timeout_s)
 
     def stop(self) -> None:
@@ -115,8 +104,8 @@ class DecodeWorker(pb_grpc.DecodeServicer):
     # -- gRPC (event loop) ----------------------------------------------------------------------------
 
     async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id} is shutting down")
+        if self._drain_deadline is not None:
+            await context.abort(*self._shutdown_error)
         try:
             params = sampling_from_proto(request.sampling)
             prompt = self.engine.validate(list(request.prompt_token_ids), params)
@@ -131,7 +120,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
                                 f"decode worker {self.worker_id} has {self.max_waiting} requests waiting for KV "
                                 "blocks (its queue limit); retry later or add decode workers")  # fmt: skip
         internal_id = f"{request.request_id[:64] or 'req'}-{uuid.uuid4().hex[:12]}"
-        req = ActiveRequest(internal_id, request.request_id, prompt, params, self.aio.loop,
+        req = ActiveRequest(internal_id, request.request_id, prompt, params, asyncio.get_running_loop(),
                             preferred_prefill=request.preferred_prefill_worker)  # fmt: skip
         self._inbox.put(("add", req))
         ended = False
@@ -149,9 +138,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
     def lease_holder(self, request_id: str) -> tuple[list[int], str]:
         """(blocks, prefill worker) of a request whose prefill is in flight; ([], '') otherwise. For PushKV."""
         req = self._active.get(request_id)
-        if req is None or req.state is not S.PREFILLING:
-            return [], ""
-        return req.block_ids, req.prefill_worker
+        return (req.block_ids, req.prefill_worker) if req is not None and req.state is S.PREFILLING else ([], "")
 
     # -- the loop (main thread) -----------------------------------------------------------------------
 
@@ -159,10 +146,10 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         self._drain_inbox()
         self._start_prefills()
         self._collect_prefills()
-        self._free_quarantine()
+        self.quarantine.free_expired()
         if self.engine.has_unfinished_requests():
             self._step()
-        if self.draining:
+        if self._drain_deadline is not None:
             self._continue_draining()
 
     def _step(self) -> None:
@@ -187,15 +174,10 @@ class DecodeWorker(pb_grpc.DecodeServicer):
             log.exception("request %s failed in %s", req.request_id, fn.__name__)
             self._finish(req, S.FAILED, (grpc.StatusCode.INTERNAL, "decode worker error; see its log"))
 
-    def _idle_wait_s(self) -> float:
-        """How long the loop may sleep on its inbox: not at all while the engine has work. A finishing
-        prefill call wakes it through the inbox, so in-flight prefills need no polling."""
-        return 0.0 if self.engine.has_unfinished_requests() else 0.05
-
     def _drain_inbox(self) -> None:
-        wait = self._idle_wait_s()
+        # Sleep on the inbox only while the engine is idle: a finishing prefill call wakes it through the inbox.
         try:
-            item = self._inbox.get(timeout=wait) if wait else self._inbox.get_nowait()
+            item = self._inbox.get_nowait() if self.engine.has_unfinished_requests() else self._inbox.get(timeout=0.05)
         except queue.Empty:
             return
         while True:
@@ -203,8 +185,8 @@ class DecodeWorker(pb_grpc.DecodeServicer):
             if kind == "add":
                 self._active[req.request_id] = req
                 self._queued.append(req)
-                if self.draining:
-                    self._finish(req, S.FAILED, _shutting_down(self.worker_id))
+                if self._drain_deadline is not None:
+                    self._finish(req, S.FAILED, self._shutdown_error)
             elif kind == "abort" and self._active.get(req.request_id) is req:
                 req.cancelled = True
                 if req.state is not S.PREFILLING:  # an in-flight prefill is ended when its call returns
@@ -233,10 +215,6 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         with self._waiting_lock:
             self._num_waiting -= 1
 
-    def prefill_timeout(self, num_tokens: int) -> float:
-        """A prefill's deadline grows with its prompt, so a long prompt is not given up at a fixed 30 s."""
-        return self.prefill_timeout_s + num_tokens * self.prefill_ms_per_token / 1000
-
     def _submit_prefill(self, req: ActiveRequest) -> None:
         target = self.prefills.pick(req.tried, req.preferred_prefill)
         if target is None:
@@ -245,19 +223,14 @@ class DecodeWorker(pb_grpc.DecodeServicer):
             return
         device = str(self.engine.runner.device)
         backend = self.force_backend or choose_backend(target.host_id, self.host_id, device, bool(self.shm_path))
-        timeout = self.prefill_timeout(len(req.prompt))
+        timeout = self.prefills.timeout_for(len(req.prompt))
         req.move(S.PREFILLING)
-        req.prefill_worker, req.backend = target.worker_id, backend
-        req.tried.append(target.worker_id)
-        req.lease_deadline = time.monotonic() + timeout
+        req.backend, req.lease_deadline = backend, time.monotonic() + timeout
         dest = pb.KVDestination(worker_id=self.worker_id, backend=backend, address=self.address,
                                 fingerprint=self.fingerprint, block_ids=req.block_ids, shm_path=self.shm_path,
                                 num_blocks=self.engine.runner.num_blocks,
                                 cuda_ipc_handle=self.cuda_ipc_handle)  # fmt: skip
-        lease.grant(self.security, req.request_id, dest, target.worker_id, timeout)
-        call = pb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
-                                 sampling=sampling_to_proto(req.params), destination=dest)  # fmt: skip
-        req.future = self.prefills.call(target.address, call, timeout)
+        self.prefills.start(req, target, dest, timeout)
         req.future.add_done_callback(lambda _: self._inbox.put(("wake", req)))
 
     def _start_local(self, req: ActiveRequest) -> None:
@@ -271,21 +244,10 @@ class DecodeWorker(pb_grpc.DecodeServicer):
                 self._guarded(self._collect_prefill, req)
 
     def _collect_prefill(self, req: ActiveRequest) -> None:
-        if not req.future.done():
-            req.future.cancel()  # lease expired or client gone: the prefill worker drops the job
-        error, writer_done = None, False
-        if req.future.cancelled():
-            error = "cancelled" if req.cancelled else "lease expired"
-        elif (exc := req.future.exception()) is not None:
-            code = exc.code() if isinstance(exc, grpc.RpcError) else None
-            error = f"{code.name}: {exc.details()}" if code else f"{type(exc).__name__}: {exc}"
-            writer_done = code in _REFUSED
-        else:
-            reply: pb.PrefillResponse = req.future.result()
-            if reply.checksum != checksum_blocks(self.engine.runner.kv_cache, self._written_blocks(req)):
-                error = "checksum of the written KV does not match"
+        num_written = self.engine.block_manager.num_blocks_for(len(req.prompt))
+        reply, error, writer_done = self.prefills.outcome(req, self.engine.runner.kv_cache, num_written)
         if req.cancelled:
-            self._finish(req, S.ABORTED, writer_done=writer_done or error is None)
+            self._finish(req, S.ABORTED, writer_done=writer_done)
         elif error is None:
             req.prefill_ms, req.transfer_ms = reply.prefill_ms, reply.transfer_ms
             req.move(S.RUNNING)
@@ -300,42 +262,15 @@ class DecodeWorker(pb_grpc.DecodeServicer):
             else:
                 self._start_local(req)
 
-    def _written_blocks(self, req: ActiveRequest) -> list[int]:
-        return req.block_ids[: self.engine.block_manager.num_blocks_for(len(req.prompt))]
-
     def _release_blocks(self, req: ActiveRequest, writer_done: bool) -> None:
         """Free a request's reserved blocks, or quarantine them while a prefill worker may still write."""
         if writer_done:
             self.engine.release(req.request_id)
         elif self.engine.block_manager.has(req.request_id):
-            stale = f"{req.request_id}#stale-{time.monotonic_ns()}"
-            self.engine.block_manager.rename(req.request_id, stale)
-            self._quarantine.append((req.lease_deadline, stale))
-            self.num_quarantined += 1
-
-    def _free_quarantine(self) -> None:
-        now = time.monotonic()
-        for _, stale in [q for q in self._quarantine if q[0] <= now]:
-            self.engine.block_manager.free(stale)
-        self._quarantine = [q for q in self._quarantine if q[0] > now]
+            self.quarantine.hold(req.request_id, req.lease_deadline)
 
     def _emit(self, req: ActiveRequest, out: RequestOutput) -> None:
-        now = time.perf_counter()
-        if req.first_token_at is None:
-            req.first_token_at = now
-        msg = pb.GenerateResponse(request_id=req.public_id, token_ids=out.new_token_ids, text=out.new_text)
-        if out.finished:
-            msg.finish_reason = out.finish_reason or ""
-            msg.usage.prompt_tokens = len(req.prompt)
-            msg.usage.completion_tokens = len(out.token_ids)
-            msg.timings.ttft_ms = (req.first_token_at - req.received) * 1000
-            msg.timings.total_ms = (now - req.received) * 1000
-            msg.timings.prefill_ms = req.prefill_ms
-            msg.timings.transfer_ms = req.transfer_ms
-            msg.transfer_backend = req.backend
-            msg.decode_worker = self.worker_id
-            msg.prefill_worker = req.prefill_worker
-        req.emit(msg)
+        req.emit(req.response(out, self.worker_id))
         if out.finished:
             self._finish(req, S.FINISHED)
 
@@ -356,13 +291,10 @@ class DecodeWorker(pb_grpc.DecodeServicer):
 
     def _continue_draining(self) -> None:
         for req in list(self._queued):  # never started: the router can retry them elsewhere
-            self._finish(req, S.FAILED, _shutting_down(self.worker_id))
+            self._finish(req, S.FAILED, self._shutdown_error)
         if self._active and time.monotonic() < self._drain_deadline:
             return
         for req in list(self._active.values()):
-            self._finish(req, S.FAILED, _shutting_down(self.worker_id))
+            self._finish(req, S.FAILED, self._shutdown_error)
         self.loop.stop()
 
-
-def _shutting_down(worker_id: str) -> tuple[grpc.StatusCode, str]:
-    return grpc.StatusCode.UNAVAILABLE, f"decode worker {worker_id} is shutting down; retry"

@@ -85,7 +85,7 @@ def test_expired_lease_quarantines_blocks_and_the_request_completes(engine_promp
                 messages = list(call)
             assert [t for m in messages for t in m.token_ids] == hf_greedy[5]
             assert messages[-1].transfer_backend == "local"  # the lease expired, so it was prefilled here
-            assert decode.num_quarantined == 1  # its first blocks were held back, not reused at once
+            assert decode.quarantine.num_held == 1  # its first blocks were held back, not reused at once
             time.sleep(4.5)  # past the slow batch window: the abandoned job must not have run
             assert prefill.batch_sizes == [1] and prefill.num_cancelled == 1
             assert slow_engine.block_manager.num_free_blocks == slow_engine.block_manager.num_blocks
