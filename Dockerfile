@@ -13,5 +13,6 @@ COPY protos protos
 COPY prefill_service prefill_service
 COPY decode_service decode_service
 COPY router router
+COPY rpc rpc
 ENV KVSERVE_CACHE=/var/cache/kvserve
 RUN pip install --no-cache-dir . && kvserve model prepare

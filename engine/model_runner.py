@@ -12,7 +12,7 @@ from engine.loader import load_model
 from engine.sampler import sample
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
-from kvstore import KVCache, KVCacheSpec
+from kvstore import KVCache, KVCacheSpec, token_slots
 from kvstore.transfer import KVMirror, create_shared_pool
 
 
@@ -90,7 +90,7 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(_slots(seq.block_table, start, end, bs))
+            slots.extend(token_slots(seq.block_table, start, end, bs))
             sample_rows.append(len(input_ids) - 1 if end == seq.num_tokens else None)
         return input_ids, positions, slots, sample_rows
 
@@ -120,7 +120,7 @@ class ModelRunner:
                 layers, dst_blocks = seq.kv_destination
                 _, slots = by_pool.setdefault(id(layers), (layers, [-1] * batch.num_tokens))
                 start = seq.num_computed_tokens
-                slots[offset : offset + n] = _slots(dst_blocks, start, start + n, self.block_size)
+                slots[offset : offset + n] = token_slots(dst_blocks, start, start + n, self.block_size)
             offset += n
         return [
             KVMirror(layers, torch.tensor(slots, device=self.device, dtype=torch.int64))
@@ -129,8 +129,3 @@ class ModelRunner:
 
     def _sampling_row(self, seq: Sequence):
         return seq.params, seq.generator or self.generator, seq.token_ids
-
-
-def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Pool slots of token positions ``start..end-1`` of a sequence whose blocks are ``block_table``."""
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]

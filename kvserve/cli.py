@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
+
+    from rpc.auth import Security
 
 
 def _model_prepare(args: argparse.Namespace) -> None:
@@ -29,24 +36,79 @@ def _demo(args: argparse.Namespace) -> None:
     demo_main(args.model)
 
 
+def _cluster_security(args: argparse.Namespace) -> tuple[Security, list[str]]:
+    """The launcher's credentials and the security flags every child gets. Without a token (environment or
+    file) a random one is made, so internal calls are authenticated unless ``--insecure-internal`` is given."""
+    import os
+    import secrets
+
+    from rpc.auth import TOKEN_ENV, load_token, security_from_args
+
+    if not args.insecure_internal and load_token(args.cluster_token_file) is None:
+        os.environ[TOKEN_ENV] = secrets.token_urlsafe(32)  # reaches the children through their environment
+    argv = ["--insecure-internal"] if args.insecure_internal else []
+    for name in ("tls_cert", "tls_key", "tls_ca"):
+        if getattr(args, name):
+            argv += [f"--{name.replace('_', '-')}", os.path.abspath(getattr(args, name))]
+    return security_from_args(args), argv
+
+
 def _up(args: argparse.Namespace) -> None:
-    from kvserve.cluster import run_until_signal, start_cluster
+    """Start the cluster, print one line per process, then supervise it until SIGINT/SIGTERM/SIGHUP (exit 0
+    after stopping everything) or until it cannot be kept running (``ClusterFailed``: exit 1)."""
+    import logging
+    import signal
+    import threading
+
+    from kvserve.cluster import start_cluster
+    from kvserve.supervisor import Supervisor
     from rpc.flags import engine_args_to_argv
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s kvserve %(levelname)s %(message)s")
+    security, security_argv = _cluster_security(args)
     print(f"kvserve: starting {args.prefill} prefill + {args.decode} decode workers and a router...", flush=True)
-    cluster = start_cluster(num_prefill=args.prefill, num_decode=args.decode, port=args.port,
-                            redis_url=args.redis_url, engine_argv=engine_args_to_argv(args))  # fmt: skip
-    redis = "embedded" if cluster.redis is not None else cluster.redis_url
-    print(f"kvserve: serving kvserve.v1.Inference on {cluster.endpoint} (Redis: {redis}); Ctrl-C stops", flush=True)
-    run_until_signal(cluster)
+
+    def interrupt(*_) -> None:
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # during start-up, like Ctrl-C: start_cluster stops what it began
+        signal.signal(sig, interrupt)
+    try:
+        cluster = start_cluster(num_prefill=args.prefill, num_decode=args.decode, port=args.port,
+                                redis_url=args.redis_url, engine_argv=engine_args_to_argv(args), security=security,
+                                security_argv=security_argv, threads=args.threads,
+                                drain_timeout_s=args.drain_timeout, log_dir=args.log_dir)  # fmt: skip
+    except KeyboardInterrupt:
+        print("kvserve: interrupted during start-up; everything stopped", flush=True)
+        return
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        print("\n".join(cluster.lines()), flush=True)
+        redis = "embedded" if cluster.redis is not None else cluster.redis_url
+        print(f"kvserve: serving kvserve.v1.Inference on {cluster.endpoint} (Redis: {redis}); Ctrl-C stops", flush=True)
+        Supervisor(cluster).run(stop)
+    finally:
+        cluster.stop()
     print("kvserve: cluster stopped", flush=True)
+
+
+def _tls_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """TLS for a client of the router: verify it with ``--tls-ca``; present ``--tls-cert/--tls-key`` (mTLS)."""
+    import grpc
+
+    if not (args.tls_ca or args.tls_cert):
+        return None
+    files = [Path(path).read_bytes() if path else None for path in (args.tls_ca, args.tls_key, args.tls_cert)]
+    return grpc.ssl_channel_credentials(*files)
 
 
 def _generate(args: argparse.Namespace) -> None:
     from kvserve.client import Client
 
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    with Client(args.address) as client:
+    with Client(args.address, credentials=_tls_credentials(args)) as client:
         last = None
         for chunk in client.stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature):
             print(chunk.text, end="", flush=True)
@@ -90,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
 
     sub.add_parser("bench", help="benchmarks: 'kvserve bench offline|serve|transfer|cuda_ipc --help'")
 
+    from rpc.auth import add_security_args
     from rpc.flags import add_engine_args
 
     up = sub.add_parser("up", help="start a local cluster: Redis, prefill and decode workers, router")
@@ -97,6 +160,12 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--decode", type=int, default=1, help="number of decode workers")
     up.add_argument("--port", type=int, default=50051, help="the router's port (workers use the next ports)")
     up.add_argument("--redis-url", default=None, help="an existing Redis; default: start an embedded one")
+    up.add_argument("--threads", type=int, default=None,
+                    help="torch threads per compute worker (default: host cores / compute workers)")  # fmt: skip
+    up.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="seconds a stopping worker may finish its requests before it is killed")  # fmt: skip
+    up.add_argument("--log-dir", default=None, help="one <name>.log per process (default: the launcher's stderr)")
+    add_security_args(up)
     add_engine_args(up)
     up.set_defaults(func=_up)
 
@@ -106,6 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--tls-ca", default=None, help="PEM CA to verify a router that serves TLS")
+    gen.add_argument("--tls-cert", default=None, help="PEM client certificate, when the router wants one (mTLS)")
+    gen.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     gen.set_defaults(func=_generate)
 
     args = parser.parse_args(argv)

@@ -107,8 +107,18 @@ def _result(chunks: list[Chunk]) -> Result:
 
 
 class Client:
-    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None) -> None:
-        self._channel = grpc.insecure_channel(address)
+    """A client of the router's public port; ``credentials`` (``grpc.ssl_channel_credentials``) when it serves TLS."""
+
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        timeout_s: float | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address)
+        else:
+            self._channel = grpc.secure_channel(address, credentials)
         self._stub = pb_grpc.InferenceStub(self._channel)
         self.timeout_s = timeout_s
 
@@ -130,8 +140,18 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None) -> None:
-        self._channel = grpc.aio.insecure_channel(address)
+    """``Client`` for asyncio."""
+
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        timeout_s: float | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(address)
+        else:
+            self._channel = grpc.aio.secure_channel(address, credentials)
         self._stub = pb_grpc.InferenceStub(self._channel)
         self.timeout_s = timeout_s
 

@@ -1,44 +1,202 @@
-"""``kvserve up``: a whole local cluster (embedded Redis, prefill and decode workers, router) as processes."""
+"""``kvserve up``: a whole local cluster (embedded Redis, prefill and decode workers, router) as processes.
+
+Ports: the router listens on ``port``, decode worker *i* on ``port + 10 + i``, prefill worker *i* on
+``port + 30 + i``. Every child gets, through its environment (never its command line, which ``ps`` shows):
+
+* ``KVSERVE_CLUSTER_TOKEN``: the cluster token (one is generated when none is given), unless the cluster
+  runs with ``--insecure-internal``;
+* ``KVSERVE_SHM_DIR``: the cluster's own directory of shared-memory KV pools (``kvserve-<uid>-cluster-<port>``
+  under /dev/shm, mode 0700), cleared of dead processes' pools at start and removed on a clean stop.
+
+Every child is started with ``die_with_parent`` and in its own process group: a SIGKILLed launcher takes
+its children along, and a terminal's Ctrl-C reaches the launcher only, which then stops them all (each drains).
+Compute workers get ``--threads``: their share of the host's cores, so they do not preempt each other.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-import signal
+import secrets
+import socket
+import stat
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine.bundled import resolve_model
-from kvserve.redis_server import EmbeddedRedis, ensure_redis
+from kvserve.processes import die_with_parent
+from kvserve.redis_server import EmbeddedRedis, remove_stale_dirs
+from kvserve.supervisor import describe_exit
+from kvstore.transfer import SHM_DIR_ENV, SHM_ROOT, remove_stale_pools
+from rpc.auth import TOKEN_ENV, TOKEN_FILE_ENV, Security
+from rpc.flags import host_cores
 from rpc.server import wait_healthy
+
+HEALTH_PROBE_S = 0.1
+_STDERR_FD = 2  # the launcher's own stderr, even where ``sys.stderr`` is replaced (pytest)
+
+log = logging.getLogger(__name__)
+
+
+class Child:
+    """One gRPC process of the cluster, a worker or the router. ``start`` runs it again with the same command
+    line (and so the same port and worker id); ``proc`` is always the latest process started."""
+
+    def __init__(self, name: str, role: str, address: str, argv: list[str], env: dict[str, str],
+                 security: Security, log_path: Path | None) -> None:  # fmt: skip
+        self.name, self.role, self.address = name, role, address
+        self._argv, self._env, self._security, self._log_path = argv, env, security, log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> None:
+        """Start the process; its output goes to its log file, else to the launcher's stderr."""
+        out = open(self._log_path, "a") if self._log_path else _STDERR_FD
+        try:
+            self.proc = subprocess.Popen(self._argv, env=self._env, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
+                                         process_group=0)  # fmt: skip
+        finally:
+            if self._log_path:
+                out.close()
+
+    def exit_status(self) -> str | None:
+        code = self.proc.poll() if self.proc is not None else None
+        return None if code is None else describe_exit(code)
+
+    def answers(self, timeout_s: float = HEALTH_PROBE_S) -> bool:
+        return wait_healthy(self.address, timeout_s, self._security)
+
+    def terminate(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+
+    def line(self) -> str:
+        """``<name> <role> grpc=HOST:PORT metrics=URL`` (no metrics endpoint yet: ``-``)."""
+        return f"{self.name} {self.role} grpc={self.address} metrics=-"
+
+
+class RedisChild:
+    """The embedded Redis as a supervised process: restarted on the same port, so clients reconnect."""
+
+    name = role = "redis"
+
+    def __init__(self, redis: EmbeddedRedis) -> None:
+        self.redis = redis
+
+    @property
+    def pid(self) -> int | None:
+        return self.redis.pid
+
+    def start(self) -> None:
+        try:
+            self.redis.restart()
+        except RuntimeError as err:  # seen as a death on the next check, so it counts as a failed start
+            log.warning("redis-server did not restart: %s", err)
+
+    def exit_status(self) -> str | None:
+        return None if self.redis.alive else "died"
+
+    def answers(self) -> bool:
+        return self.redis.alive
+
+    def kill(self) -> None:
+        self.redis.stop()
 
 
 @dataclass
 class Cluster:
-    """Child processes in start order; ``stop`` ends them in reverse and stops an embedded Redis."""
+    """The started cluster. ``stop`` sends every child SIGTERM at once (each drains), SIGKILLs what is left
+    after ``stop_timeout_s``, stops an embedded Redis and removes the pool directory (unless a process of
+    another cluster on the same port still has a pool there)."""
 
     endpoint: str
     redis_url: str
-    processes: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    shm_dir: Path
+    security: Security
+    stop_timeout_s: float
+    children: list[Child] = field(default_factory=list)
     redis: EmbeddedRedis | None = None
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        for _, proc in reversed(self.processes):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for _, proc in self.processes:
+    def child(self, name: str) -> Child:
+        [found] = [c for c in self.children if c.name == name]
+        return found
+
+    def redis_children(self) -> list[RedisChild]:
+        return [RedisChild(self.redis)] if self.redis is not None else []
+
+    def lines(self) -> list[str]:
+        return [child.line() for child in self.children]
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            child.terminate()
+        deadline = time.monotonic() + self.stop_timeout_s
+        for child in self.children:
+            if child.proc is None:
+                continue
             try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.processes.clear()
+                child.kill()
+                child.proc.wait()
+        self.children.clear()
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        remove_stale_pools(self.shm_dir)  # ours are dead now; a live process's pool file keeps the directory
+        with contextlib.suppress(OSError):
+            self.shm_dir.rmdir()
+
+
+def cluster_shm_dir(port: int) -> Path:
+    """The cluster's pool directory (mode 0700, ours): refuses a path someone else planted there."""
+    root = SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())
+    directory = root / f"kvserve-{os.getuid()}-cluster-{port}"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise RuntimeError(f"{directory} is not a directory owned by this user; remove it")
+    os.chmod(directory, 0o700)
+    return directory
+
+
+def check_ports_free(host: str, ports: list[int]) -> None:
+    """Refuse ports something listens on already: gRPC servers share a port by default (SO_REUSEPORT), so a
+    second cluster on the same ports would otherwise start and split the traffic with the first."""
+    for port in ports:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT left by a past run is fine
+            try:
+                probe.bind((host, port))
+            except OSError as err:
+                raise RuntimeError(f"port {port} on {host} is in use ({err.strerror}); choose another --port") from None
+
+
+def threads_per_worker(num_compute_workers: int, threads: int | None = None) -> int:
+    """Torch threads per compute worker: ``threads``, else an equal share of the host's cores."""
+    return threads or max(1, host_cores() // max(1, num_compute_workers))
+
+
+def _child_env(shm_dir: Path, security: Security) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", SHM_DIR_ENV: str(shm_dir)}
+    env.pop(TOKEN_FILE_ENV, None)
+    env.pop(TOKEN_ENV, None)
+    if security.token is not None:
+        env[TOKEN_ENV] = security.token
+    return env
 
 
 def start_cluster(
@@ -51,53 +209,64 @@ def start_cluster(
     engine_argv: list[str] | None = None,
     decode_argv: list[str] | None = None,
     prefill_argv: list[str] | None = None,
+    security: Security | None = None,
+    security_argv: list[str] | None = None,
+    threads: int | None = None,
+    drain_timeout_s: float = 30.0,
     startup_timeout_s: float = 180.0,
-    log_dir: str | None = None,
+    log_dir: str | Path | None = None,
 ) -> Cluster:
+    """Start the cluster and wait until every process answers its health check.
+
+    ``security`` is the launcher's own (a fresh random token when ``None``); its token reaches the children
+    through their environment, and ``security_argv`` (``--insecure-internal``, ``--tls-*``) is passed to
+    every child as it is. Raises ``RuntimeError`` (after stopping what started) when a process exits or
+    does not answer within ``startup_timeout_s``.
+    """
     engine_argv = engine_argv or ["--model", "default"]
     model = engine_argv[engine_argv.index("--model") + 1] if "--model" in engine_argv else "default"
     resolve_model(model)  # convert the bundled model once, before the workers race for it
-    url, embedded = ensure_redis(redis_url)
-    cluster = Cluster(endpoint=f"{host}:{port}", redis_url=url, redis=embedded)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    security = security or Security(token=secrets.token_urlsafe(32))
+    security_argv = security_argv or []
+    decode_ports = [port + 10 + i for i in range(num_decode)]
+    prefill_ports = [port + 30 + i for i in range(num_prefill)]
+    check_ports_free(host, [port, *decode_ports, *prefill_ports])
+    remove_stale_dirs()
+    shm_dir = cluster_shm_dir(port)
+    remove_stale_pools(shm_dir)
+    embedded = EmbeddedRedis() if redis_url is None else None
+    url = embedded.url if embedded is not None else redis_url
+    cluster = Cluster(endpoint=f"{host}:{port}", redis_url=url, shm_dir=shm_dir, security=security,
+                      stop_timeout_s=drain_timeout_s + 5.0, redis=embedded)  # fmt: skip
+    env = _child_env(shm_dir, security)
+    worker_argv = ["--threads", str(threads_per_worker(num_prefill + num_decode, threads)),
+                   "--drain-timeout", str(drain_timeout_s), *security_argv, *engine_argv]  # fmt: skip
+    specs = [(f"decode-{i}", "decode", p, [*worker_argv, *(decode_argv or [])]) for i, p in enumerate(decode_ports)]
+    specs += [(f"prefill-{i}", "prefill", p, [*worker_argv, *(prefill_argv or [])])
+              for i, p in enumerate(prefill_ports)]  # fmt: skip
     try:
-        specs = []
-        for i in range(num_decode):
-            specs.append((f"decode-{i}", "decode_service", port + 10 + i, engine_argv + (decode_argv or [])))
-        for i in range(num_prefill):
-            specs.append((f"prefill-{i}", "prefill_service", port + 30 + i, engine_argv + (prefill_argv or [])))
-        specs.append(("router", "router", port, ["--model", model]))
-        for name, module, worker_port, extra in specs:
-            cmd = [sys.executable, "-m", module, "--host", host, "--port", str(worker_port), "--redis-url", url]
-            if module != "router":
-                cmd += ["--worker-id", name]
-            out = open(os.path.join(log_dir, f"{name}.log"), "w") if log_dir else subprocess.DEVNULL
-            proc = subprocess.Popen(cmd + extra, env=env, stdout=out, stderr=subprocess.STDOUT)
-            cluster.processes.append((f"{name}@{host}:{worker_port}", proc))
+        for name, role, child_port, extra in specs:
+            argv = [sys.executable, "-m", f"{role}_service", "--host", host, "--port", str(child_port),
+                    "--worker-id", name, "--redis-url", url, *extra]  # fmt: skip
+            cluster.children.append(_child(name, role, f"{host}:{child_port}", argv, env, security, log_dir))
+        router_argv = [sys.executable, "-m", "router", "--host", host, "--port", str(port), "--redis-url", url,
+                       "--model", model, *security_argv]  # fmt: skip
+        cluster.children.append(_child("router", "router", cluster.endpoint, router_argv, env, security, log_dir))
         deadline = time.monotonic() + startup_timeout_s
-        for name, proc in cluster.processes:
-            address = name.split("@", 1)[1]
-            while not wait_healthy(address, timeout_s=1.0):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up")
+        for child in cluster.children:
+            while not child.answers(timeout_s=1.0):
+                if (status := child.exit_status()) is not None:
+                    raise RuntimeError(f"{child.role} {child.name} {status} during start-up")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not become healthy within {startup_timeout_s:.0f} s")
+                    raise RuntimeError(f"{child.name} did not become healthy within {startup_timeout_s:.0f} s")
         return cluster
     except BaseException:
         cluster.stop()
         raise
 
 
-def run_until_signal(cluster: Cluster) -> None:
-    """Block until Ctrl-C or SIGTERM (or a child dies), then stop everything."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        while not stop.wait(0.5):
-            dead = [name for name, proc in cluster.processes if proc.poll() is not None]
-            if dead:
-                print(f"kvserve: {', '.join(dead)} exited; stopping the cluster", file=sys.stderr)
-                break
-    finally:
-        cluster.stop()
+def _child(name: str, role: str, address: str, argv: list[str], env: dict[str, str], security: Security,
+           log_dir: str | Path | None) -> Child:  # fmt: skip
+    child = Child(name, role, address, argv, env, security, Path(log_dir) / f"{name}.log" if log_dir else None)
+    child.start()
+    return child

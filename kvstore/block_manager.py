@@ -5,13 +5,24 @@ from __future__ import annotations
 from kvstore.block_pool import Block, BlockPool
 
 
+def token_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Pool slots of token positions ``start..end-1`` of a sequence whose blocks are ``block_table``.
+
+    Slot ``s`` is row ``s % block_size`` of block ``s // block_size`` in the pool flattened to
+    ``[num_blocks * block_size, ...]``; the one place this layout is spelled out in Python (the kernels
+    index the same layout with tensors).
+    """
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 class BlockManager:
     """Maps each sequence id to the ordered list of blocks holding its KV.
 
     Token ``i`` of a sequence lives in block ``table[i // block_size]`` at
-    offset ``i % block_size``. Allocation is all-or-nothing: a call that cannot
-    be satisfied changes nothing. Freeing releases a sequence's blocks in
-    reverse order, so its tail blocks are reused first.
+    offset ``i % block_size`` (``token_slots`` turns that into pool slots).
+    Allocation is all-or-nothing: a call that cannot be satisfied changes
+    nothing. Freeing releases a sequence's blocks in reverse order, so its
+    tail blocks are reused first.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -64,7 +75,3 @@ class BlockManager:
         if new_id in self._tables:
             raise ValueError(f"{new_id!r} already holds blocks")
         self._tables[new_id] = self._tables.pop(seq_id)
-
-    def slot(self, seq_id: str, position: int) -> int:
-        block = self._tables[seq_id][position // self.block_size]
-        return block.block_id * self.block_size + position % self.block_size

@@ -1,6 +1,8 @@
 """What the registry stores about the cluster: workers (``WorkerInfo``) and in-flight KV transfers (``Lease``).
 
-Plain records with their Redis hash encoding; ``kvstore.registry.Registry`` reads and writes them.
+Plain records with their Redis hash encoding; ``kvstore.registry.Registry`` reads and writes them. The
+encoding is signed: ``to_redis`` adds an HMAC keyed by the cluster token (``rpc.auth.Security.sign``) over
+the fields that say who may do what, and ``from_redis`` refuses a hash whose signature does not verify.
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+if TYPE_CHECKING:
+    from rpc.auth import Security
 
 Role = Literal["prefill", "decode", "router"]
 ROLES: tuple[str, ...] = get_args(Role)
 LOAD_FIELDS = ("free_blocks", "total_blocks", "num_running", "num_waiting")
+SIGNED_FIELDS = ("worker_id", "role", "address", "host_id", "device", "fingerprint", "started_at")
 LEASE_STATES = ("pending", "transferring", "success", "failed")
 
 
@@ -37,9 +43,9 @@ def local_host_id() -> str:
 class WorkerInfo:
     """What a worker publishes about itself.
 
-    ``address`` is its gRPC ``host:port``; ``transfer`` describes its KV pool for peers (e.g. ``shm_path``,
-    ``num_blocks``); two workers exchange KV only when their ``fingerprint`` strings are equal. The
-    ``LOAD_FIELDS`` change with every heartbeat, everything else is fixed for the worker's life.
+    ``address`` is its gRPC ``host:port``; two workers exchange KV only when their ``fingerprint`` strings are
+    equal. ``SIGNED_FIELDS`` are fixed for the worker's life and signed; the ``LOAD_FIELDS`` change with every
+    heartbeat and are unsigned hints.
     """
 
     worker_id: str
@@ -47,7 +53,6 @@ class WorkerInfo:
     address: str
     host_id: str = field(default_factory=local_host_id)
     device: str = "cpu"
-    transfer: dict[str, Any] = field(default_factory=dict)
     fingerprint: str = ""
     free_blocks: int = 0
     total_blocks: int = 0
@@ -62,21 +67,22 @@ class WorkerInfo:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         check_load({name: getattr(self, name) for name in LOAD_FIELDS})
 
-    def to_redis(self) -> dict[str, str]:
+    def to_redis(self, security: Security) -> dict[str, str]:
         fields = {f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self)}
-        fields["transfer"] = json.dumps(self.transfer, sort_keys=True)
+        fields["signature"] = security.sign("worker", *(fields[name] for name in SIGNED_FIELDS))
         return fields
 
     @classmethod
-    def from_redis(cls, fields: Mapping[str, str]) -> WorkerInfo:
-        """Inverse of ``to_redis``; raises ``KeyError`` or ``ValueError`` on a malformed hash."""
+    def from_redis(cls, fields: Mapping[str, str], security: Security) -> WorkerInfo:
+        """Inverse of ``to_redis``; raises ``KeyError`` or ``ValueError`` on a malformed or unverified hash."""
+        if not security.verify(fields.get("signature", ""), "worker", *(fields.get(n, "") for n in SIGNED_FIELDS)):
+            raise ValueError("its signature does not verify (written without the cluster token?)")
         return cls(
             worker_id=fields["worker_id"],
             role=fields["role"],  # type: ignore[arg-type]  # validated in __post_init__
             address=fields["address"],
             host_id=fields["host_id"],
             device=fields["device"],
-            transfer=json.loads(fields["transfer"]),
             fingerprint=fields["fingerprint"],
             started_at=float(fields["started_at"]),
             **{name: int(fields[name]) for name in LOAD_FIELDS},
@@ -85,13 +91,34 @@ class WorkerInfo:
 
 @dataclass(frozen=True)
 class Lease:
-    """An in-flight KV transfer: ``prefill_id`` writes into ``block_ids`` of ``decode_id`` for ``request_id``."""
+    """An in-flight KV transfer: ``prefill_id`` writes into ``block_ids`` of ``decode_id`` for ``request_id``.
+
+    The signature covers everything but ``state``, which the transfer's parties update as it goes.
+    """
 
     request_id: str
     decode_id: str
     prefill_id: str
     block_ids: list[int]
-    state: str
+    state: str = "pending"
+
+    def to_redis(self, security: Security) -> dict[str, str]:
+        fields = {"decode_id": self.decode_id, "prefill_id": self.prefill_id,
+                  "block_ids": json.dumps([int(b) for b in self.block_ids]), "state": self.state}  # fmt: skip
+        fields["signature"] = security.sign("lease", self.request_id, *_lease_parts(fields))
+        return fields
+
+    @classmethod
+    def from_redis(cls, request_id: str, fields: Mapping[str, str], security: Security) -> Lease:
+        """Inverse of ``to_redis``; raises ``KeyError`` or ``ValueError`` on a malformed or unverified hash."""
+        if not security.verify(fields.get("signature", ""), "lease", request_id, *_lease_parts(fields)):
+            raise ValueError(f"lease {request_id!r} does not verify")
+        return cls(request_id, fields["decode_id"], fields["prefill_id"], json.loads(fields["block_ids"]),
+                   fields["state"])  # fmt: skip
+
+
+def _lease_parts(fields: Mapping[str, str]) -> list[str]:
+    return [fields.get(name, "") for name in ("decode_id", "prefill_id", "block_ids")]
 
 
 def check_load(load: Mapping[str, Any]) -> None:

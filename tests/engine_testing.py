@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
+from kvstore import token_slots
 
 
 def forward_tokens(runner, tokens: list[int], start: int, block_table: list[int]) -> torch.Tensor:
     """Logits ``(len(tokens), vocab)`` of ``tokens`` at positions ``start..``; earlier positions' KV must be
     in ``runner``'s pool at ``block_table``. One token takes the decode kernel, more take the prefill kernel."""
-    n, end, bs, device = len(tokens), start + len(tokens), runner.block_size, runner.device
+    n, end, device = len(tokens), start + len(tokens), runner.device
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor([block_table[p // bs] * bs + p % bs for p in range(start, end)], device=device),
+        slot_mapping=torch.tensor(token_slots(block_table, start, end, runner.block_size), device=device),
         block_tables=torch.tensor([block_table], dtype=torch.int32, device=device),
         seq_lens=torch.tensor([end], dtype=torch.int32, device=device),
         cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),

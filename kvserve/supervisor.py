@@ -1,0 +1,176 @@
+"""Keeping a local cluster serving: restart what dies, with exponential backoff, and give up only when the
+cluster cannot keep a minimum running.
+
+The life of one supervised process (a worker, the router, or the embedded Redis)::
+
+    UP --dies--> WAITING --backoff passed--> STARTING --answers its health check--> UP
+                                             STARTING --dies, or no answer in time--> WAITING (a start failure)
+                 more than ``max_start_failures`` start failures in a row --> ABANDONED
+
+The backoff doubles with every death (0.5 s, 1 s, 2 s, ... up to 30 s) and starts over once the process
+has stayed up for ``stable_after_s``. The cluster fails (``ClusterFailed``) when the router or Redis is
+abandoned, or every decode worker is; an abandoned prefill worker only costs speed (decode workers then
+prefill locally).
+
+Every death and restart is logged with the exit code or signal, and the seconds from the death until the
+process answered again. A dead decode worker's shared-memory pool file is removed as soon as its death is
+noticed.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from kvstore.transfer import pool_file_name
+
+if TYPE_CHECKING:
+    from kvserve.cluster import Cluster
+
+log = logging.getLogger(__name__)
+
+
+class ClusterFailed(RuntimeError):
+    """The cluster can no longer keep its minimum running (router, Redis and at least one decode worker)."""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    initial_delay_s: float = 0.5
+    max_delay_s: float = 30.0
+    stable_after_s: float = 60.0  # up this long: the next death is treated as the first
+    max_start_failures: int = 5  # deaths in a row before ever answering: the process is abandoned
+    startup_timeout_s: float = 180.0  # a restarted process that does not answer by then is killed
+    tick_s: float = 0.2
+
+    def delay_s(self, deaths_in_a_row: int) -> float:
+        return min(self.max_delay_s, self.initial_delay_s * 2 ** max(0, deaths_in_a_row - 1))
+
+
+class Supervised(Protocol):
+    """What the supervisor needs of a process: see ``cluster.Child`` and ``cluster.RedisChild``."""
+
+    name: str
+    role: str
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def start(self) -> None: ...
+
+    def exit_status(self) -> str | None:
+        """``None`` while the process runs, else how it ended ("exited with code 1", "killed by SIGKILL")."""
+
+    def answers(self) -> bool:
+        """Whether the process serves (a health check with a short timeout)."""
+
+    def kill(self) -> None: ...
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exited with code {returncode}"
+
+
+class State(enum.Enum):
+    UP = "up"
+    WAITING = "waiting"
+    STARTING = "starting"
+    ABANDONED = "abandoned"
+
+
+@dataclass
+class _Track:
+    """One process's restart bookkeeping. ``since`` is when the current state began."""
+
+    state: State
+    since: float
+    deaths_in_a_row: int = 0
+    start_failures_in_a_row: int = 0
+    died_at: float = 0.0
+    restart_at: float = 0.0
+
+
+class Supervisor:
+    """Watches a started cluster's processes and restarts them (one thread; see ``run``).
+
+    Linux delivers a child's parent-death signal when the *thread* that started it exits, so the thread
+    running ``run`` must outlive the processes it restarts: ``Cluster.stop`` ends them right after ``run``
+    returns (the command line runs both on the main thread).
+    """
+
+    def __init__(self, cluster: Cluster, policy: RestartPolicy | None = None) -> None:
+        self.cluster = cluster
+        self.policy = policy or RestartPolicy()
+        self.units: list[Supervised] = [*cluster.children, *cluster.redis_children()]
+        now = time.monotonic()
+        self._tracks = {unit.name: _Track(State.UP, now) for unit in self.units}
+
+    def state(self, name: str) -> State:
+        return self._tracks[name].state
+
+    def run(self, stop: threading.Event) -> None:
+        """Supervise until ``stop`` is set; raises ``ClusterFailed`` when the minimum cannot be kept."""
+        while not stop.wait(self.policy.tick_s):
+            for unit in self.units:
+                self._step(unit, self._tracks[unit.name], time.monotonic())
+            self._check_minimum()
+
+    def _step(self, unit: Supervised, track: _Track, now: float) -> None:
+        if track.state in (State.UP, State.STARTING):
+            status = unit.exit_status()
+            if status is not None:
+                self._on_death(unit, track, status, now)
+            elif track.state is State.STARTING:
+                self._check_started(unit, track, now)
+            elif track.deaths_in_a_row and now - track.since >= self.policy.stable_after_s:
+                track.deaths_in_a_row = 0
+        elif track.state is State.WAITING and now >= track.restart_at:
+            log.info("restarting %s %s (attempt %d)", unit.role, unit.name, track.start_failures_in_a_row + 1)
+            track.state, track.since = State.STARTING, now
+            unit.start()
+
+    def _check_started(self, unit: Supervised, track: _Track, now: float) -> None:
+        if unit.answers():
+            track.state, track.since, track.start_failures_in_a_row = State.UP, now, 0
+            log.info("%s %s (pid %s) serves again, %.1f s after it died", unit.role, unit.name, unit.pid,
+                     now - track.died_at)  # fmt: skip
+        elif now - track.since > self.policy.startup_timeout_s:
+            log.warning("%s %s (pid %s) did not answer within %.0f s of its start; killing it", unit.role,
+                        unit.name, unit.pid, self.policy.startup_timeout_s)  # fmt: skip
+            unit.kill()
+
+    def _on_death(self, unit: Supervised, track: _Track, status: str, now: float) -> None:
+        pid = unit.pid
+        if unit.role == "decode" and pid is not None:
+            (self.cluster.shm_dir / pool_file_name(unit.name, pid)).unlink(missing_ok=True)
+        if track.state is State.STARTING:
+            track.start_failures_in_a_row += 1
+        else:
+            track.died_at = now
+        track.deaths_in_a_row += 1
+        if track.start_failures_in_a_row > self.policy.max_start_failures:
+            track.state, track.since = State.ABANDONED, now
+            log.error("%s %s (pid %s) %s; giving up on it after %d failed starts in a row", unit.role, unit.name,
+                      pid, status, track.start_failures_in_a_row)  # fmt: skip
+            return
+        delay = self.policy.delay_s(track.deaths_in_a_row)
+        track.state, track.since, track.restart_at = State.WAITING, now, now + delay
+        log.warning("%s %s (pid %s) %s; restarting it in %.1f s", unit.role, unit.name, pid, status, delay)
+
+    def _check_minimum(self) -> None:
+        abandoned = {unit.name for unit in self.units if self._tracks[unit.name].state is State.ABANDONED}
+        if not abandoned:
+            return
+        essential = [unit.name for unit in self.units if unit.role in ("router", "redis") and unit.name in abandoned]
+        decode = [unit.name for unit in self.units if unit.role == "decode"]
+        if essential:
+            raise ClusterFailed(f"{', '.join(essential)} cannot be kept running; see the log above")
+        if decode and all(name in abandoned for name in decode):
+            raise ClusterFailed("no decode worker can be kept running; see the log above")

@@ -1,0 +1,216 @@
+"""Faults under ``kvserve up``'s supervision, with real processes, a real Redis and gRPC on loopback: SIGKILLed
+workers, Redis and launcher; a process that can never start; a process that keeps crashing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from cluster_utils import ENGINE_ARGV, Load, cluster, free_base_port, supervised
+
+from kvserve.client import Client
+from kvserve.cluster import Child, Cluster, cluster_shm_dir
+from kvserve.supervisor import ClusterFailed, RestartPolicy, State, Supervisor
+from kvstore.registry import Registry
+from kvstore.transfer import pool_file_name
+from rpc.auth import Security
+
+POLICY = RestartPolicy(initial_delay_s=0.2, startup_timeout_s=120.0)
+
+
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory):
+    c = cluster(2, 2, tmp_path_factory.mktemp("logs-faults"), decode_argv=["--prefill-timeout-s", "8"])
+    with supervised(c, POLICY) as (supervisor, messages):
+        yield c, supervisor, messages
+
+
+def _wait(condition, timeout_s: float, what: str) -> float:
+    """Poll ``condition`` until it holds; returns the seconds it took."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, f"{what} within {timeout_s:.0f} s"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def _kill_and_await_restart(c: Cluster, name: str) -> tuple[int, float]:
+    """SIGKILL ``name``; returns its old pid and the seconds until its restarted process answers health."""
+    child = c.child(name)
+    old_pid = child.pid
+    os.kill(old_pid, signal.SIGKILL)
+    recovery_s = _wait(lambda: child.pid != old_pid and child.answers(), 90, f"{name} restarted and answering")
+    return old_pid, recovery_s
+
+
+@pytest.mark.slow
+def test_killed_workers_are_restarted_while_serving_goes_on(two_by_two):
+    c, supervisor, messages = two_by_two
+    load = Load(c.endpoint, threads=3)
+    try:
+        _wait(lambda: load.completed >= 3, 60, "the load got going")
+        decode_pid, decode_recovery_s = _kill_and_await_restart(c, "decode-0")
+        restarted_pid = c.child("decode-0").pid
+        assert not (c.shm_dir / pool_file_name("decode-0", decode_pid)).exists(), "the dead worker's pool is left"
+        assert (c.shm_dir / pool_file_name("decode-0", restarted_pid)).exists()
+        count = load.completed
+        _wait(lambda: load.done_since(count) >= 3, 60, "requests completed after the decode worker's restart")
+        prefill_pid, prefill_recovery_s = _kill_and_await_restart(c, "prefill-0")
+        count = load.completed
+        _wait(lambda: load.done_since(count) >= 3, 60, "requests completed after the prefill worker's restart")
+    finally:
+        load.stop()
+    print(f"\ndecode-0: serving again {decode_recovery_s:.1f} s after SIGKILL; prefill-0: {prefill_recovery_s:.1f} s;"
+          f" {load.completed} requests completed, {len(load.failures)} failed: {load.failures}")  # fmt: skip
+    # only streams that were running on the killed decode worker may fail; none that had no token yet
+    assert all(code == grpc.StatusCode.UNAVAILABLE and tokens > 0 for code, tokens in load.failures), load.failures
+    assert len(load.failures) <= load.threads
+    assert any(f"decode decode-0 (pid {decode_pid}) killed by SIGKILL" in m for m in messages), messages
+    assert any(f"prefill prefill-0 (pid {prefill_pid}) killed by SIGKILL" in m for m in messages), messages
+    assert sum("serves again" in m for m in messages) >= 2, messages
+    assert supervisor.state("decode-0") is State.UP and supervisor.state("prefill-0") is State.UP
+
+
+@pytest.mark.slow
+def test_no_blocks_leak_after_the_faults(two_by_two):
+    c, _, _ = two_by_two
+    registry = Registry(c.redis_url, security=c.security)
+
+    def all_free() -> bool:
+        workers = registry.workers("decode")
+        return len(workers) == 2 and all(w.free_blocks == w.total_blocks for w in workers)
+
+    # blocks a killed prefill worker was writing stay quarantined until their lease ends (--prefill-timeout-s)
+    took_s = _wait(all_free, 20, f"every decode worker idle with all blocks free: {registry.workers('decode')}")
+    print(f"\nall decode blocks free {took_s:.1f} s after the load")
+
+
+@pytest.mark.slow
+def test_killed_redis_is_restarted_and_workers_register_again(two_by_two):
+    c, supervisor, messages = two_by_two
+    old_pid = c.redis.pid
+    os.kill(old_pid, signal.SIGKILL)
+    killed = time.monotonic()
+    with Client(c.endpoint, timeout_s=60) as client:  # serving does not wait for Redis
+        assert client.generate("Still there?", max_tokens=4, ignore_eos=True).finish_reason == "length"
+    _wait(lambda: c.redis.pid != old_pid and c.redis.alive, 30, "Redis restarted")
+    restarted_s = time.monotonic() - killed
+    names = {"decode-0", "decode-1", "prefill-0", "prefill-1"}
+    registry = Registry(c.redis_url, security=c.security)  # a fresh reader: its fallback view is empty
+    _wait(lambda: names <= {w.worker_id for w in registry.workers()}, 30, "every worker registered again")
+    registered_s = time.monotonic() - killed
+    print(f"\nRedis restarted {restarted_s:.1f} s after SIGKILL; workers registered again after {registered_s:.1f} s")
+    with Client(c.endpoint, timeout_s=60) as client:
+        assert client.generate("And now?", max_tokens=4, ignore_eos=True).finish_reason == "length"
+    assert any(f"redis redis (pid {old_pid}) died" in m for m in messages), messages
+    assert supervisor.state("redis") is State.UP
+
+
+def _child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _start_up(port: int, log: Path, *extra: str) -> tuple[subprocess.Popen, list[str]]:
+    """``kvserve up`` in its own session; returns it once serving, with the lines it printed."""
+    cmd = [sys.executable, "-m", "kvserve.cli", "up", "--port", str(port), "--prefill", "0", *ENGINE_ARGV[2:], *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "a"), text=True, start_new_session=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.rstrip("\n"))
+        if "serving kvserve.v1.Inference" in line:
+            return proc, lines
+    proc.wait()
+    raise AssertionError(f"kvserve up exited with {proc.returncode}: {lines}\n{log.read_text()}")
+
+
+@pytest.mark.slow
+def test_killed_launcher_leaves_no_orphans_and_the_next_start_cleans_up(tmp_path):
+    port = free_base_port()
+    launcher, lines = _start_up(port, tmp_path / "up.log")
+    assert f"decode-0 decode grpc=127.0.0.1:{port + 10} metrics=-" in lines
+    assert f"router router grpc=127.0.0.1:{port} metrics=-" in lines
+    children = _child_pids(launcher.pid)
+    assert len(children) == 3  # Redis, the decode worker, the router
+    shm_dir = cluster_shm_dir(port)
+    pools = list(shm_dir.iterdir())
+    redis_dirs = [d for d in Path(tempfile.gettempdir()).glob("kvserve-redis-*")
+                  if (d / "server.pid").read_text() in map(str, children)]  # fmt: skip
+    assert len(pools) == 1 and len(redis_dirs) == 1
+    launcher.kill()
+    launcher.wait()
+    gone_s = _wait(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 5, "children died with it")
+    print(f"\nthe SIGKILLed launcher's children were gone after {gone_s:.2f} s")
+    for child_port in (port, port + 10):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", child_port))  # nobody listens there any more
+    again, _ = _start_up(port, tmp_path / "up.log")
+    try:
+        assert not any(p.exists() for p in pools) and not redis_dirs[0].exists()
+        with Client(f"127.0.0.1:{port}", timeout_s=60) as client:
+            assert client.generate("Hello", max_tokens=4, ignore_eos=True).finish_reason == "length"
+    finally:
+        again.send_signal(signal.SIGTERM)
+        assert again.wait(timeout=60) == 0
+    assert not shm_dir.exists()
+
+
+def test_up_exits_non_zero_when_a_process_cannot_start(tmp_path):
+    port = free_base_port()
+    cmd = [sys.executable, "-m", "kvserve.cli", "up", "--port", str(port), "--prefill", "0", "--log-dir", str(tmp_path)]
+    broken = tmp_path / "weightless"  # passes the launcher's check, but no worker can load it
+    broken.mkdir()
+    (broken / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    done = subprocess.run([*cmd, "--model", str(broken)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "decode decode-0 exited with code 1 during start-up" in done.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 10))
+        taken.listen()
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1 and f"port {port + 10} on 127.0.0.1 is in use" in done.stderr, done.stderr
+    missing = subprocess.run([*cmd, "--model", str(tmp_path / "nowhere")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "not a model directory" in missing.stderr
+
+
+def _stand_in(name: str, role: str, code: str) -> Child:
+    """A real process in a worker's place, running ``code`` (no model: these tests are about the policy)."""
+    child = Child(name, role, "127.0.0.1:1", [sys.executable, "-c", code], dict(os.environ), Security(None), None)
+    child.start()
+    return child
+
+
+def test_supervisor_gives_up_on_a_decode_worker_that_keeps_crashing(tmp_path):
+    crashing = _stand_in("decode-0", "decode", "import sys; sys.exit(3)")
+    c = Cluster("127.0.0.1:1", "", tmp_path, Security(None), stop_timeout_s=5.0, children=[crashing])
+    policy = RestartPolicy(initial_delay_s=0.05, max_delay_s=0.2, max_start_failures=3, tick_s=0.02)
+    started = time.monotonic()
+    with pytest.raises(ClusterFailed, match="no decode worker can be kept running"):
+        Supervisor(c, policy).run(threading.Event())
+    # backoff 0.05 + 0.1 + 0.2 + 0.2 s between the initial run and 4 failed restarts
+    assert time.monotonic() - started >= 0.55
+    c.stop()
+
+
+def test_supervisor_keeps_serving_without_a_prefill_worker_that_keeps_crashing(tmp_path):
+    decode = _stand_in("decode-0", "decode", "import time; time.sleep(60)")
+    prefill = _stand_in("prefill-0", "prefill", "import sys; sys.exit(3)")
+    c = Cluster("127.0.0.1:1", "", tmp_path, Security(None), stop_timeout_s=5.0, children=[decode, prefill])
+    supervisor = Supervisor(c, RestartPolicy(initial_delay_s=0.01, max_delay_s=0.01, max_start_failures=2, tick_s=0.02))
+    stop = threading.Event()
+    timer = threading.Timer(1.5, stop.set)
+    timer.start()
+    try:
+        supervisor.run(stop)  # returns when stopped, not with ClusterFailed
+    finally:
+        c.stop()
+    assert supervisor.state("prefill-0") is State.ABANDONED and supervisor.state("decode-0") is State.UP
