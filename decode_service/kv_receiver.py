@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 
 import grpc
@@ -25,6 +26,17 @@ class KVReceiver(pb_grpc.KVTransferServicer):
         self.kv_cache = kv_cache
         self.fingerprint = fingerprint
         self.lease_holder = lease_holder  # request id -> (leased block ids, prefill worker id); ([], '') if none
+        # Held while a chunk is checked and written, and by the decode loop while it revokes a lease: once
+        # revoked, no chunk checked earlier can still land in blocks that are being given to someone else.
+        self.lock = threading.Lock()
+
+    def _write_if_leased(self, chunk: pb.KVChunk, caller: str) -> bool:
+        with self.lock:
+            leased, holder = self.lease_holder(chunk.request_id)
+            if not leased or holder != caller or not set(chunk.block_ids) <= set(leased):
+                return False
+            write_blocks(self.kv_cache, list(chunk.block_ids), chunk.data)
+            return True
 
     async def PushKV(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushKVResponse:
         caller = dict(context.invocation_metadata() or ()).get(CALLER_METADATA, "")
@@ -37,16 +49,15 @@ class KVReceiver(pb_grpc.KVTransferServicer):
             if checksum(chunk.data) != chunk.checksum:
                 await context.abort(grpc.StatusCode.DATA_LOSS,
                                     f"KV chunk {num_chunks} of {chunk.request_id} fails its checksum")  # fmt: skip
-            leased, holder = self.lease_holder(chunk.request_id)
-            if not leased or holder != caller or not set(chunk.block_ids) <= set(leased):
+            try:
+                # NumPy copy off the event loop (no OpenMP pool: see rpc.loop.Loop)
+                written = await asyncio.to_thread(self._write_if_leased, chunk, caller)
+            except ValueError as err:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            if not written:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                     f"blocks {list(chunk.block_ids)[:4]} are not leased to request "
                                     f"{chunk.request_id!r} and prefill worker {caller!r}")  # fmt: skip
-            try:
-                # NumPy copy off the event loop (no OpenMP pool: see rpc.loop.Loop)
-                await asyncio.to_thread(write_blocks, self.kv_cache, list(chunk.block_ids), chunk.data)
-            except ValueError as err:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             hasher.update(chunk.data)
             num_chunks += 1
             num_bytes += len(chunk.data)

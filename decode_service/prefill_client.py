@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -43,10 +44,13 @@ class PrefillClient:
         self.workers: list[WorkerInfo] = []  # replaced whole by the refresher; read by the engine loop
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._refresher = aio.submit(self._refresh_forever()) if registry is not None else None
+        # Leases are published for operators and for recovery, off the engine loop, in order (one thread).
+        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease-publisher")
 
     def close(self) -> None:
         if self._refresher is not None:
             self._refresher.cancel()
+        self._publisher.shutdown(wait=False)
         for channel in list(self._channels.values()):
             self.aio.submit(channel.close())
 
@@ -72,15 +76,26 @@ class PrefillClient:
         call = pb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
                                  sampling=sampling_to_proto(req.params), destination=dest)  # fmt: skip
         req.future = self.aio.submit(self._call(target.address, call, timeout_s))
+        self.publish_lease(req, timeout_s)
 
-    @staticmethod
-    def outcome(req: ActiveRequest, kv_cache: KVCache, num_blocks: int) -> tuple[pb.PrefillResponse | None,
+    def publish_lease(self, req: ActiveRequest, ttl_s: float) -> None:
+        """Write ``req``'s lease to ``kvserve:lease:{request_id}`` (it expires by itself after ``ttl_s``)."""
+        if self.registry is not None:
+            self._publisher.submit(self.registry.put_lease, req.request_id, self.worker_id, req.prefill_worker,
+                                   list(req.block_ids), ttl_s)  # fmt: skip
+
+    def end_lease(self, req: ActiveRequest) -> None:
+        if self.registry is not None:
+            self._publisher.submit(self.registry.delete_lease, req.request_id)
+
+    def outcome(self, req: ActiveRequest, kv_cache: KVCache, num_blocks: int) -> tuple[pb.PrefillResponse | None,
                                                                                   str | None, bool]:
         """(reply, error, writer_done) of a finished, expired or abandoned call: ``error`` is None when the KV
         arrived intact (our checksum of the first ``num_blocks`` blocks matches the writer's);
         ``writer_done`` says no late write can still land in the blocks."""
         if not req.future.done():
             req.future.cancel()  # lease expired or client gone: the prefill worker drops the job
+        self.end_lease(req)
         if req.future.cancelled():
             return None, "cancelled" if req.cancelled else "lease expired", False
         if (exc := req.future.exception()) is not None:
@@ -103,4 +118,4 @@ class PrefillClient:
                 self.workers = await asyncio.to_thread(self.registry.workers, "prefill")
             except Exception:  # noqa: BLE001 - keep the last view; the registry logs outages itself
                 log.exception("refreshing the prefill workers failed")
-            await asyncio.sleep(REFRESH_S)
+            await asyncio.sleep(REFRESH_S if self.workers else REFRESH_S / 10)  # find the first one fast

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -135,3 +136,23 @@ class Quarantine:
         for _, stale in [h for h in self._held if h[0] <= now]:
             self.block_manager.free(stale)
         self._held = [h for h in self._held if h[0] > now]
+
+
+class Admission:
+    """Counts requests admitted and not yet holding blocks; refuses new ones past ``limit`` (any thread)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.num_waiting = 0
+        self._lock = threading.Lock()
+
+    def enter(self) -> bool:
+        with self._lock:
+            if self.num_waiting >= self.limit:
+                return False
+            self.num_waiting += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self.num_waiting -= 1

@@ -11,14 +11,13 @@
 3. The prefill worker writes the prompt's KV into those blocks (``shm``: in
    place; ``grpc``: through ``KVReceiver.PushKV``) and answers with the first
    token and a checksum, which we verify against our own blocks (RUNNING). A
-   failed prefill is retried on another prefill worker, then locally. Blocks a
-   failed or abandoned prefill may still write are quarantined until its lease
-   has run out, then freed.
+   failed prefill is retried on another prefill worker, then locally; blocks
+   its writer may still touch (``shm``) are quarantined until its lease ends.
 4. Every step's tokens go to the request's stream. Every exit (FINISHED,
    ABORTED by a gone client, FAILED) goes through ``_finish``, which frees the
-   blocks, the lease and the stream. A loop error fails only the requests it
-   concerns. SIGTERM drains: stop admitting, let running requests finish for up
-   to the drain timeout, hand queued ones back with UNAVAILABLE, then stop.
+   blocks, the lease and the stream; a loop error fails only the requests it
+   concerns. SIGTERM drains: no admissions, queued requests handed back
+   (UNAVAILABLE), running ones finish within the drain timeout.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import threading
 import time
 import uuid
 from collections import deque
@@ -35,7 +33,7 @@ import grpc
 
 from decode_service.kv_receiver import KVReceiver
 from decode_service.prefill_client import PrefillClient
-from decode_service.request import ActiveRequest, Quarantine, RequestState
+from decode_service.request import ActiveRequest, Admission, Quarantine, RequestState
 from engine import LLMEngine, RequestOutput
 from engine.llm_engine import StepError
 from kvstore.registry import Registry
@@ -73,22 +71,20 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         self._queued: deque[ActiveRequest] = deque()
         self._active: dict[str, ActiveRequest] = {}
         self.quarantine = Quarantine(engine.block_manager)
-        self._num_waiting = 0  # admitted and not yet holding blocks (counted on the gRPC side, for admission)
-        self._waiting_lock = threading.Lock()
+        self.admission = Admission(max_waiting)
         self._drain_deadline: float | None = None  # set by drain(): no admissions from then on
         self._shutdown_error = (grpc.StatusCode.UNAVAILABLE, f"decode worker {worker_id} is shutting down; retry")
         self.loop = Loop(self._loop_once, "decode-loop")  # the process's main thread runs it (see Loop)
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(worker_id=self.worker_id, role="decode", address=self.address, host_id=self.host_id,
-                          device=str(self.engine.runner.device), fingerprint=self.fingerprint,
-                          **self.load())  # fmt: skip
+                          device=str(self.engine.runner.device), fingerprint=self.fingerprint, **self.load())
 
     def load(self) -> dict[str, int]:
         bm = self.engine.block_manager
         running = sum(r.state in (S.PREFILLING, S.RUNNING) for r in list(self._active.values()))
         return {"free_blocks": bm.num_free_blocks, "total_blocks": bm.num_blocks, "num_running": running,
-                "num_waiting": max(0, self._num_waiting)}  # fmt: skip
+                "num_waiting": self.admission.num_waiting}  # fmt: skip
 
     def drain(self, timeout_s: float) -> None:
         """Stop admitting; the loop stops once the running requests finish or ``timeout_s`` passes."""
@@ -96,6 +92,11 @@ class DecodeWorker(pb_grpc.DecodeServicer):
             self._drain_deadline = time.monotonic() + timeout_s
             self._inbox.put(("wake", None))  # the loop may be asleep on an empty inbox
             log.info("draining: %d requests active, waiting up to %.0f s", len(self._active), timeout_s)
+
+    def resync(self) -> None:
+        """After Redis lost our state (heartbeat thread): publish the leases of the prefills in flight again."""
+        for req in [r for r in list(self._active.values()) if r.state is S.PREFILLING]:
+            self.prefills.publish_lease(req, max(0.1, req.lease_deadline - time.monotonic()))
 
     def stop(self) -> None:
         self.loop.stop()
@@ -111,17 +112,12 @@ class DecodeWorker(pb_grpc.DecodeServicer):
             prompt = self.engine.validate(list(request.prompt_token_ids), params)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        with self._waiting_lock:
-            full = self._num_waiting >= self.max_waiting
-            if not full:
-                self._num_waiting += 1
-        if full:
+        if not self.admission.enter():
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"decode worker {self.worker_id} has {self.max_waiting} requests waiting for KV "
                                 "blocks (its queue limit); retry later or add decode workers")  # fmt: skip
-        internal_id = f"{request.request_id[:64] or 'req'}-{uuid.uuid4().hex[:12]}"
-        req = ActiveRequest(internal_id, request.request_id, prompt, params, asyncio.get_running_loop(),
-                            preferred_prefill=request.preferred_prefill_worker)  # fmt: skip
+        req = ActiveRequest(f"{request.request_id[:64] or 'req'}-{uuid.uuid4().hex[:12]}", request.request_id,
+                            prompt, params, asyncio.get_running_loop(), request.preferred_prefill_worker)
         self._inbox.put(("add", req))
         ended = False
         try:
@@ -138,7 +134,8 @@ class DecodeWorker(pb_grpc.DecodeServicer):
     def lease_holder(self, request_id: str) -> tuple[list[int], str]:
         """(blocks, prefill worker) of a request whose prefill is in flight; ([], '') otherwise. For PushKV."""
         req = self._active.get(request_id)
-        return (req.block_ids, req.prefill_worker) if req is not None and req.state is S.PREFILLING else ([], "")
+        live = req is not None and req.state is S.PREFILLING and req.prefill_worker
+        return (req.block_ids, req.prefill_worker) if live else ([], "")
 
     # -- the loop (main thread) -----------------------------------------------------------------------
 
@@ -203,17 +200,13 @@ class DecodeWorker(pb_grpc.DecodeServicer):
             if blocks is None and self.engine.has_unfinished_requests():
                 return  # wait for running sequences to finish and free blocks
             self._queued.popleft()
-            self._dequeued()
+            self.admission.leave()
             if blocks is None:  # idle and still no room: let the engine's own scheduler admit it in chunks
                 self._guarded(self._start_local, req)
                 continue
             req.block_ids = blocks
             req.move(S.RESERVED)
             self._guarded(self._submit_prefill, req)
-
-    def _dequeued(self) -> None:
-        with self._waiting_lock:
-            self._num_waiting -= 1
 
     def _submit_prefill(self, req: ActiveRequest) -> None:
         target = self.prefills.pick(req.tried, req.preferred_prefill)
@@ -263,8 +256,11 @@ class DecodeWorker(pb_grpc.DecodeServicer):
                 self._start_local(req)
 
     def _release_blocks(self, req: ActiveRequest, writer_done: bool) -> None:
-        """Free a request's reserved blocks, or quarantine them while a prefill worker may still write."""
-        if writer_done:
+        """Free a request's reserved blocks, or quarantine them while a prefill worker may still write. A
+        ``grpc`` writer can write only through PushKV, which a revoked lease stops at once."""
+        with self.receiver.lock:
+            req.prefill_worker = ""  # revoke: lease_holder() names no one
+        if writer_done or req.backend == "grpc":
             self.engine.release(req.request_id)
         elif self.engine.block_manager.has(req.request_id):
             self.quarantine.hold(req.request_id, req.lease_deadline)
@@ -279,12 +275,13 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         """The one way out: free what ``req`` holds in its current state, then end its stream."""
         if req.state is S.QUEUED and req in self._queued:
             self._queued.remove(req)
-            self._dequeued()
+            self.admission.leave()
         elif req.state is S.RUNNING:
             self.engine.abort(req.request_id)  # no-op once the engine finished it itself
         elif req.state in (S.RESERVED, S.PREFILLING):
-            if req.future is not None and not req.future.done():
+            if req.state is S.PREFILLING:
                 req.future.cancel()
+                self.prefills.end_lease(req)
             self._release_blocks(req, writer_done or req.state is S.RESERVED)
         self._active.pop(req.request_id, None)
         req.end(state, error)

@@ -32,6 +32,7 @@ from engine.bundled import resolve_model
 from kvserve.processes import die_with_parent
 from kvserve.redis_server import EmbeddedRedis, remove_stale_dirs
 from kvserve.supervisor import describe_exit
+from kvstore.registry import Registry
 from kvstore.transfer import SHM_DIR_ENV, SHM_ROOT, remove_stale_pools
 from rpc.auth import TOKEN_ENV, TOKEN_FILE_ENV, Security
 from rpc.flags import host_cores
@@ -259,10 +260,25 @@ def start_cluster(
                     raise RuntimeError(f"{child.role} {child.name} {status} during start-up")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{child.name} did not become healthy within {startup_timeout_s:.0f} s")
+        _wait_registered(url, security, {name for name, *_ in specs}, deadline)
         return cluster
     except BaseException:
         cluster.stop()
         raise
+
+
+def _wait_registered(url: str, security: Security, worker_ids: set[str], deadline: float) -> None:
+    """Wait until the registry lists every worker, then for the decode workers' views of it to catch up (they
+    look every 0.1 s while they know no prefill worker), so the first request already goes disaggregated."""
+    registry = Registry(url, security=security)
+    try:
+        while not worker_ids <= {w.worker_id for w in registry.workers()}:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers {sorted(worker_ids)} did not all register in Redis in time")
+            time.sleep(0.05)
+    finally:
+        registry.stop()
+    time.sleep(0.3)
 
 
 def _child(name: str, role: str, address: str, argv: list[str], env: dict[str, str], security: Security,

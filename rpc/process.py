@@ -52,13 +52,15 @@ def serve(worker: Worker, services: dict[str, object], aio: AsyncioThread, secur
     server, health, names = aio.run(start())
     if registry is not None:
         registry.register(worker.info())
-        registry.start_heartbeat(worker.load)
+        registry.start_heartbeat(worker.load, on_resync=getattr(worker, "resync", None))
+
+    deregister = threading.Thread(target=registry.stop if registry else lambda: None, name="deregister")
 
     def on_signal(signum, _frame) -> None:
         log.info("%s: draining for up to %.0f s", signal.Signals(signum).name, args.drain_timeout)
         aio.submit(set_not_serving(health, names))
-        if registry is not None:  # routers stop choosing us; Redis I/O stays off this (the loop's) thread
-            threading.Thread(target=registry.stop, daemon=True).start()
+        if not deregister.is_alive() and deregister.ident is None:  # routers stop choosing us; Redis I/O
+            deregister.start()  # stays off this (the engine loop's) thread
         worker.drain(args.drain_timeout)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -66,8 +68,9 @@ def serve(worker: Worker, services: dict[str, object], aio: AsyncioThread, secur
     worker.loop.run()
     aio.run(server.stop(grace=1.0), timeout_s=10)
     worker.stop()
-    if registry is not None:
-        registry.stop()
+    if deregister.ident is None:
+        deregister.start()
+    deregister.join(timeout=5)
     for cleanup in cleanups:
         cleanup()
     aio.stop()

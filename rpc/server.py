@@ -8,12 +8,16 @@ thousands of open streams never starve ``PushKV`` or a new call (a thread pool o
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Callable
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import MethodDescriptor
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+from protos.kvserve.v1 import kvserve_pb2 as pb
 from rpc.auth import GRPC_OPTIONS, Security
 
 SERVICES = ("Inference", "Decode", "Prefill", "KVTransfer")
@@ -21,15 +25,76 @@ SERVICES = ("Inference", "Decode", "Prefill", "KVTransfer")
 
 def new_server(security: Security) -> grpc.aio.Server:
     """A ``grpc.aio`` server (create it on the event loop that will run it)."""
-    return grpc.aio.server(interceptors=security.interceptors(), options=GRPC_OPTIONS)
+    # no SO_REUSEPORT: a second process on a taken port must fail, not silently split the traffic
+    return grpc.aio.server(interceptors=security.interceptors(), options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)])
 
 
 def add_service(server: grpc.aio.Server, name: str, servicer: object) -> str:
-    """Register ``servicer`` for ``kvserve.v1.{name}``; returns the full service name."""
+    """Register the ``grpc.aio`` servicer ``servicer`` for ``kvserve.v1.{name}``; returns the full service name.
+
+    The handlers are built from the service's descriptor, like the generated ``add_*Servicer_to_server``, with
+    one difference: bytes that do not parse as the method's request message end the call with
+    INVALID_ARGUMENT (the generated deserializer raises into gRPC, which answers INTERNAL). Streaming
+    responses come from async generators; streamed requests reach the servicer through its request
+    iterator, which aborts the call at the first bad message.
+    """
     if name not in SERVICES:
         raise ValueError(f"unknown service {name!r}; expected one of {SERVICES}")
-    getattr(pb_grpc, f"add_{name}Servicer_to_server")(servicer, server)
-    return f"kvserve.v1.{name}"
+    service = pb.DESCRIPTOR.services_by_name[name]
+    handlers = {method.name: _handler(method, getattr(servicer, method.name)) for method in service.methods}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+    return service.full_name
+
+
+class _Undecodable:
+    """What the deserializer hands the handler in place of a request it could not parse."""
+
+    def __init__(self, error: DecodeError) -> None:
+        self.error = error
+
+
+def _handler(method: MethodDescriptor, behaviour: Callable) -> grpc.RpcMethodHandler:
+    request_class = message_factory.GetMessageClass(method.input_type)
+    response_class = message_factory.GetMessageClass(method.output_type)
+    problem = f"request is not a valid {method.input_type.full_name} message"
+
+    def parse(data: bytes) -> object:
+        try:
+            return request_class.FromString(data)
+        except DecodeError as err:
+            return _Undecodable(err)
+
+    async def checked(request, context: grpc.aio.ServicerContext):
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{problem}: {request.error}")
+        return request
+
+    async def checked_stream(requests: AsyncIterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        async for request in requests:
+            yield await checked(request, context)
+
+    async def unary_in(request, context: grpc.aio.ServicerContext):
+        return await behaviour(await checked(request, context), context)
+
+    async def unary_in_stream_out(request, context: grpc.aio.ServicerContext):
+        async for response in behaviour(await checked(request, context), context):
+            yield response
+
+    async def stream_in(requests, context: grpc.aio.ServicerContext):
+        return await behaviour(checked_stream(requests, context), context)
+
+    async def stream_in_stream_out(requests, context: grpc.aio.ServicerContext):
+        async for response in behaviour(checked_stream(requests, context), context):
+            yield response
+
+    make, handle = {
+        (False, False): (grpc.unary_unary_rpc_method_handler, unary_in),
+        (False, True): (grpc.unary_stream_rpc_method_handler, unary_in_stream_out),
+        (True, False): (grpc.stream_unary_rpc_method_handler, stream_in),
+        (True, True): (grpc.stream_stream_rpc_method_handler, stream_in_stream_out),
+    }[(method.client_streaming, method.server_streaming)]
+    return make(handle, request_deserializer=parse, response_serializer=response_class.SerializeToString)
 
 
 async def start_server(

@@ -1,0 +1,209 @@
+"""Reliability measurements on a local 2-prefill + 2-decode cluster (real processes, embedded Redis).
+
+    python scripts/reliability.py soak     [--requests 2000 --concurrency 128]
+    python scripts/reliability.py threads  [--requests 200 --concurrency 32]
+    python scripts/reliability.py faults   [--requests 60 --concurrency 4]
+
+soak:    every request completes, greedy outputs of equal prompts are equal, and afterwards every decode
+         worker's KV blocks are all free again and no lease is left in Redis.
+threads: p99 latency with each worker given its share of the cores (``--threads``, what ``kvserve up`` does)
+         against every worker using all cores (torch's default), both clusters up at once, alternating.
+faults:  under a steady load, SIGKILL a decode worker, a prefill worker and Redis, and SIGSTOP Redis for 10 s;
+         for each: requests lost, and seconds until the process serves again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvserve.cluster import Cluster, start_cluster  # noqa: E402
+from kvserve.loadgen import LoadResult, run_load  # noqa: E402
+from kvserve.supervisor import RestartPolicy, Supervisor  # noqa: E402
+from kvstore.registry import Registry  # noqa: E402
+
+ENGINE_ARGV = ["--model", "default", "--num-blocks", "512", "--block-size", "16"]
+GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def free_base_port() -> int:
+    for _ in range(100):
+        base = random.randrange(20000, 60000, 100)
+        try:
+            for port in [base, *range(base + 10, base + 12), *range(base + 30, base + 32)]:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range")
+
+
+def prompts(n: int, distinct: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    pool = [[rng.randrange(100, 20000) for _ in range(rng.randrange(16, 96))] for _ in range(distinct)]
+    return [pool[i % distinct] for i in range(n)]
+
+
+def up(log_dir: str, threads: int | None = None) -> Cluster:
+    return start_cluster(num_prefill=2, num_decode=2, port=free_base_port(), engine_argv=ENGINE_ARGV,
+                         threads=threads, log_dir=log_dir)  # fmt: skip
+
+
+def wait_idle(cluster: Cluster, timeout_s: float = 60.0) -> tuple[list, int]:
+    """(decode workers' (id, free, total) once all blocks are free or the timeout passes, leases left)."""
+    registry = Registry(cluster.redis_url, security=cluster.security)
+    raw = redis.Redis.from_url(cluster.redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            decode = [(w.worker_id, w.free_blocks, w.total_blocks) for w in registry.workers("decode")]
+            leases = len(raw.keys("kvserve:lease:*"))
+            idle = all(free == total for _, free, total in decode) and not leases
+            if idle or time.monotonic() > deadline:
+                return decode, leases
+            time.sleep(0.5)
+    finally:
+        registry.stop()
+        raw.close()
+
+
+def soak(args: argparse.Namespace, log_dir: str) -> int:
+    cluster = up(log_dir)
+    try:
+        batch = prompts(args.requests, distinct=64)
+        result = asyncio.run(run_load(cluster.endpoint, batch, args.concurrency, **GREEDY))
+        print(result.summary())
+        by_prompt: dict[tuple, set] = {}
+        for prompt, record in zip(batch, result.records, strict=True):
+            if record.status == "OK":
+                by_prompt.setdefault(tuple(prompt), set()).add(tuple(record.token_ids))
+        differing = sum(len(outputs) > 1 for outputs in by_prompt.values())
+        decode, leases = wait_idle(cluster)
+        print(f"lost {len(result.records) - len(result.ok())}; prompts with differing outputs: {differing}")
+        print(f"after the load: decode (id, free, total) {decode}; leases in Redis {leases}")
+        clean = not result.errors and not differing and not leases and all(f == t for _, f, t in decode)
+        return 0 if clean else 1
+    finally:
+        cluster.stop()
+
+
+def threads(args: argparse.Namespace, log_dir: str) -> int:
+    shared = up(os.path.join(log_dir, "share"))
+    greedy = up(os.path.join(log_dir, "all"), threads=len(os.sched_getaffinity(0)))
+    try:
+        results: dict[str, list[LoadResult]] = {"share": [], "all cores": []}
+        rounds = 4
+        for i in range(rounds):  # alternate, so that drift hits both sides alike
+            for name, cluster in (("share", shared), ("all cores", greedy)):
+                batch = prompts(args.requests // rounds, distinct=32, seed=i)
+                results[name].append(asyncio.run(run_load(cluster.endpoint, batch, args.concurrency, **GREEDY)))
+        p99 = {}
+        for name, runs in results.items():
+            merged = LoadResult([r for run in runs for r in run.records], sum(run.duration_s for run in runs))
+            p99[name] = merged.percentile("e2e_s", 99)
+            print(f"--- {name}\n{merged.summary()}")
+        print(f"p99 end-to-end: share {p99['share'] * 1000:.0f} ms, all cores {p99['all cores'] * 1000:.0f} ms, "
+              f"ratio {p99['all cores'] / p99['share']:.2f}x")  # fmt: skip
+        return 0
+    finally:
+        shared.stop()
+        greedy.stop()
+
+
+def faults(args: argparse.Namespace, log_dir: str) -> int:
+    cluster = up(log_dir)
+    stop = threading.Event()
+    supervisor = Supervisor(cluster, RestartPolicy())
+    thread = threading.Thread(target=supervisor.run, args=(stop,), daemon=True)
+    thread.start()
+    redis_child = cluster.redis_children()[0]
+    rows = []
+
+    def under_load(name: str, inject, recovered) -> None:
+        result: list[LoadResult] = []
+        load = threading.Thread(target=lambda: result.append(asyncio.run(
+            run_load(cluster.endpoint, prompts(args.requests, 16), args.concurrency, **GREEDY))))  # fmt: skip
+        load.start()
+        time.sleep(2.0)
+        t0 = time.monotonic()
+        inject()
+        while not recovered():
+            time.sleep(0.1)
+        recovery = time.monotonic() - t0
+        load.join()
+        lost = len(result[0].records) - len(result[0].ok())
+        rows.append((name, lost, len(result[0].records), recovery, dict(result[0].errors)))
+        print(f"{name}: lost {lost}/{len(result[0].records)} {dict(result[0].errors)}; recovered in {recovery:.1f} s")
+        time.sleep(3.0)
+
+    def killed(name: str):
+        child = cluster.child(name)
+        old = child.pid
+
+        def inject() -> None:
+            os.kill(old, signal.SIGKILL)
+
+        return inject, lambda: child.pid not in (None, old) and child.answers()
+
+    def registered() -> bool:
+        registry = Registry(cluster.redis_url, security=cluster.security)
+        try:
+            return len(registry.workers()) == 4
+        finally:
+            registry.stop()
+
+    try:
+        under_load("SIGKILL decode-0", *killed("decode-0"))
+        under_load("SIGKILL prefill-0", *killed("prefill-0"))
+        paused_until = []
+
+        def pause() -> None:
+            os.kill(redis_child.pid, signal.SIGSTOP)
+            paused_until.append(time.monotonic() + 10)
+            threading.Timer(10, os.kill, (redis_child.pid, signal.SIGCONT)).start()
+
+        under_load("SIGSTOP Redis 10 s", pause, lambda: time.monotonic() > paused_until[0] and registered())
+        old_redis = redis_child.pid
+        under_load("SIGKILL Redis", lambda: os.kill(old_redis, signal.SIGKILL),
+                   lambda: redis_child.pid not in (None, old_redis) and redis_child.answers() and registered())
+        print("\n| fault | requests lost | seconds to recovery |\n|---|---|---|")
+        for name, lost, total, recovery, errors in rows:
+            print(f"| {name} | {lost}/{total} {errors or ''} | {recovery:.1f} |")
+        return 0
+    finally:
+        stop.set()
+        thread.join()
+        cluster.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["soak", "threads", "faults"])
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--concurrency", type=int, default=None)
+    args = parser.parse_args()
+    defaults = {"soak": (2000, 128), "threads": (200, 32), "faults": (60, 4)}[args.what]
+    args.requests = args.requests or defaults[0]
+    args.concurrency = args.concurrency or defaults[1]
+    logging.basicConfig(level=logging.WARNING)
+    with tempfile.TemporaryDirectory(prefix="kvserve-reliability-") as log_dir:
+        return {"soak": soak, "threads": threads, "faults": faults}[args.what](args, log_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
