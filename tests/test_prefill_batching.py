@@ -4,22 +4,39 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
+import xxhash
 from service_utils import TEST_SECURITY, InProcessServer
 
 from decode_service.worker import DecodeWorker
 from engine import LLMEngine
 from kvserve.redis_server import EmbeddedRedis
 from kvstore.registry import Registry
-from kvstore.transfer import checksum_blocks, create_shared_pool
+from kvstore.transfer import create_shared_pool
 from kvstore.workers import WorkerInfo
 from prefill_service.worker import PrefillWorker
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc import lease
 from rpc.loop import AsyncioThread
+
+
+def _file_checksum(path, pool, block_ids: list[int]) -> str:
+    """The hand-off checksum recomputed from the pool file read with plain file I/O, not through any mapping:
+    for each chunk of 16 blocks, each layer's K then V region, those blocks in order (the documented order)."""
+    raw = Path(path).read_bytes()
+    base = pool.buffer.data_ptr()
+    hasher = xxhash.xxh3_128()
+    for start in range(0, len(block_ids), 16):
+        for layer in pool.layers:
+            for region in (layer.k_cache, layer.v_cache):
+                offset, block_bytes = region.data_ptr() - base, region[0].numel() * region.element_size()
+                for block in block_ids[start : start + 16]:
+                    hasher.update(raw[offset + block * block_bytes : offset + (block + 1) * block_bytes])
+    return hasher.hexdigest()
 
 
 def _serve_prefill(engine, max_wait_ms):
@@ -52,7 +69,9 @@ def test_concurrent_prefills_share_one_batch(engine_prompts):
             replies = list(pool_.map(prefill, range(4)))
         assert worker.batch_sizes == [4]  # all four arrived within the batching window
         for reply, blocks in replies:
-            assert reply.checksum == checksum_blocks(pool, blocks) and reply.backend == "shm"
+            assert reply.backend == "shm"
+            assert reply.checksum == _file_checksum(path, pool, blocks)  # what the writer hashed is in the file
+            assert reply.checksum != _file_checksum(path, pool, [b + 1 for b in blocks])
         assert engine.block_manager.num_free_blocks == 64  # the prefill worker kept nothing
     finally:
         path.unlink()
