@@ -23,12 +23,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
 
-    import grpc
-
     import kernels
     from decode_service.kv_receiver import KVReceiver
     from engine import LLMEngine
-    from kvserve.serving import GRPC_OPTIONS, new_server, start_server
     from kvstore import KVCache
     from kvstore.transfer import (
         checksum,
@@ -41,6 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     from protos.kvserve.v1 import kvserve_pb2 as pb
     from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+    from rpc.auth import Security
+    from rpc.loop import AsyncioThread
+    from rpc.server import add_service, new_server, start_server
 
     block_size = 16
     num_blocks = args.tokens // block_size + 8
@@ -68,17 +68,23 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         path.unlink()
 
-    # grpc: the decode worker's PushKV receiver on loopback, every block reserved for the request
+    # grpc: the decode worker's PushKV receiver on loopback, every block leased to the request and "bench"
     source = KVCache(spec, num_blocks, "cpu")
     source.buffer.copy_(torch.randint(0, 255, source.buffer.shape, dtype=torch.uint8))
     fp = fingerprint(decode.model_config.architecture, spec)
-    receiver = KVReceiver(decode.runner.kv_cache, fp, reserved_blocks=lambda request_id: blocks)
-    server = new_server()
-    pb_grpc.add_KVTransferServicer_to_server(receiver, server)
-    port, _ = start_server(server, ["kvserve.v1.KVTransfer"], "127.0.0.1:0")
+    receiver = KVReceiver(decode.runner.kv_cache, fp, lease_holder=lambda request_id: (blocks, "bench"))
+    security = Security(token="bench")  # the interceptor's token check is part of every real hand-off
+    aio = AsyncioThread()
+
+    async def serve():
+        server = new_server(security)
+        port, _ = await start_server(server, [add_service(server, "KVTransfer", receiver)], "127.0.0.1:0", security)
+        return server, port
+
+    server, port = aio.run(serve())
     times = []
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel:
+        with security.channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.KVTransferStub(channel)
             for i in range(args.repeats):
                 rid = f"bench-{i}"
@@ -86,13 +92,14 @@ def main(argv: list[str] | None = None) -> None:
                 parts = [(chunk, read_blocks(source, chunk)) for chunk in chunked(blocks)]
                 chunks = [pb.KVChunk(request_id=rid, fingerprint=fp, block_ids=chunk, data=data,
                                      checksum=checksum(data)) for chunk, data in parts]  # fmt: skip
-                reply = stub.PushKV(iter(chunks), timeout=60)
+                reply = stub.PushKV(iter(chunks), timeout=60, metadata=security.metadata("bench"))
                 times.append(time.perf_counter() - start)
                 assert (
                     reply.checksum == checksum_blocks(source, blocks) == checksum_blocks(decode.runner.kv_cache, blocks)
                 )
     finally:
-        server.stop(0)
+        aio.run(server.stop(0))
+        aio.stop()
     rpc = statistics.median(times)
     print(f"{'backend':8}{'latency ms':>12}{'GB/s':>8}")
     print(f"{'shm':8}{shm * 1e3:12.1f}{nbytes / shm / 1e9:8.2f}")
