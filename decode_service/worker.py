@@ -42,8 +42,8 @@ from kvstore.workers import WorkerInfo, local_host_id
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc.auth import Security
-from rpc.convert import sampling_from_proto
 from rpc.loop import AsyncioThread, Loop
+from rpc.validation import validate_request_id, validate_sampling
 
 log = logging.getLogger(__name__)
 S = RequestState
@@ -107,8 +107,9 @@ class DecodeWorker(pb_grpc.DecodeServicer):
     async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         if self._drain_deadline is not None:
             await context.abort(*self._shutdown_error)
-        try:
-            params = sampling_from_proto(request.sampling)
+        try:  # members are checked like anyone: the same rules as the router's (rpc.validation)
+            validate_request_id(request.request_id)
+            params = validate_sampling(request.sampling, self.engine.model_config.vocab_size)
             prompt = self.engine.validate(list(request.prompt_token_ids), params)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

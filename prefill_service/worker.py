@@ -46,8 +46,8 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc import lease
 from rpc.auth import Security
-from rpc.convert import sampling_from_proto
 from rpc.loop import Loop
+from rpc.validation import validate_sampling
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         if refusal:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         try:
-            params = sampling_from_proto(request.sampling)
+            params = validate_sampling(request.sampling, self.engine.model_config.vocab_size)
             prompt = self.engine.validate(list(request.prompt_token_ids), params)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

@@ -1,17 +1,25 @@
-"""``python -m router --port 50051 [--redis-url URL] [--decode-address HOST:PORT ...] [--model default]``"""
+"""``python -m router --port 50051 [--redis-url URL] [--decode-address HOST:PORT ...] [--model default]``
+
+Serves ``kvserve.v1.Inference``, health checking and reflection on one port (TLS with ``--tls-cert``). The
+router calls the decode workers' internal service, so it needs the cluster token like every member.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 
 from engine.bundled import resolve_model
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
-from kvserve.serving import new_server, serve_until_signal, start_server
 from kvstore.registry import Registry
-from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from router.server import Router
+from rpc.auth import Security, add_security_args, security_from_args
+from rpc.server import add_service, new_server, set_not_serving, start_server
+
+log = logging.getLogger("router")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,18 +29,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--decode-address", action="append", default=[], help="static decode workers (no Redis)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds SIGTERM lets open streams finish")  # fmt: skip
+    add_security_args(parser)
     args, _ = parser.parse_known_args(argv)  # engine flags meant for workers are accepted and ignored
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
+    try:
+        security = security_from_args(args)
+    except ValueError as err:
+        parser.error(str(err))
     path = resolve_model(args.model)
     config = ModelConfig.from_dir(path)
-    registry = Registry(args.redis_url) if args.redis_url else None
-    router = Router(Tokenizer(path), config.vocab_size, config.max_context, registry, args.decode_address)
-    server = new_server(64)
-    pb_grpc.add_InferenceServicer_to_server(router, server)
-    address = f"{args.host}:{args.port}"
-    start_server(server, ["kvserve.v1.Inference"], address)
-    logging.info("router serving kvserve.v1.Inference on %s", address)
-    serve_until_signal(server, [])
+    registry = Registry(args.redis_url, security=security) if args.redis_url else None
+    router = Router(Tokenizer(path), config.vocab_size, config.max_context, security, registry, args.decode_address)
+    try:
+        asyncio.run(serve(router, f"{args.host}:{args.port}", security, args.drain_timeout))
+    finally:
+        if registry is not None:
+            registry.stop()
+
+
+async def serve(router: Router, address: str, security: Security, drain_timeout_s: float) -> None:
+    """Serve until SIGTERM or SIGINT, then stop taking calls and let open streams finish for a while."""
+    server = new_server(security)
+    names = [add_service(server, "Inference", router)]
+    _, health = await start_server(server, names, address, security)
+    log.info("serving kvserve.v1.Inference on %s", address)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining for up to %.0f s", drain_timeout_s)
+    await set_not_serving(health, names)
+    await server.stop(grace=drain_timeout_s)
+    await router.close()
 
 
 if __name__ == "__main__":

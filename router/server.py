@@ -1,46 +1,60 @@
-"""A request's life in the router:
+"""A request's life in the router (``grpc.aio``: one coroutine per stream, never a thread):
 
-1. ``Generate`` validates the prompt (text, token ids or chat messages) and the
-   sampling options; anything wrong ends the call with INVALID_ARGUMENT and a
-   message saying what to change.
-2. It tokenizes (rendering chat messages with the model's chat template),
-   ranks the live decode workers from the Redis registry by load and names
-   the least-loaded prefill worker for the decode worker to use.
-3. It calls the first one and relays its stream; the decode worker's text
-   deltas come from an incremental detokenizer and never end inside a
-   multi-byte character. A worker that fails before its first token is
-   replaced by the next one; after that the error goes to the client.
-   A client that cancels cancels the decode call, which frees its blocks.
+1. ``Generate`` validates the request with ``rpc.validation`` on the router's one validation thread (it
+   tokenizes, rendering chat messages with the model's chat template); anything wrong ends the call with
+   INVALID_ARGUMENT and a message saying what to change.
+2. It reads the live workers from the registry (off the event loop: a Redis outage must not stall the
+   streams) or, without one, takes the static decode addresses; a worker is used only once a direct gRPC
+   health check answered SERVING (``WorkerHealth``). It ranks the decode workers by load and names the
+   least-loaded prefill worker for the decode worker to use, counting both choices as in flight in the same
+   step, so that a burst between two heartbeats spreads.
+3. It calls the first decode worker with the cluster token and relays its stream; the decode worker's
+   text deltas come from an incremental detokenizer and never end inside a multi-byte character. A worker
+   that fails before its first token is replaced by the next one (and, when it was UNAVAILABLE, skipped by
+   later requests for a few seconds); after the first token the error goes to the client. A client that
+   cancels cancels the decode call, which frees its blocks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from engine.tokenizer import Tokenizer
-from rpc.auth import GRPC_OPTIONS
-from rpc.convert import sampling_from_proto
 from kvstore.registry import Registry
+from kvstore.workers import Role, WorkerInfo
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+from router.health import WorkerHealth
+from rpc.auth import Security
+from rpc.convert import sampling_to_proto
+from rpc.validation import validate_generate
 
 log = logging.getLogger(__name__)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL}
-_ROLES = {"system", "user", "assistant"}
+_SERVICES = {"decode": "kvserve.v1.Decode", "prefill": "kvserve.v1.Prefill"}
 
 
 class Router(pb_grpc.InferenceServicer):
+    """The public ``Inference`` service. Lives on one event loop: create it anywhere, serve and close it there.
+
+    ``_in_flight`` counts the calls this router has open per worker id; every count it adds is removed by
+    the ``_Slot`` that added it, once (see ``_Slot``).
+    """
+
     def __init__(
         self,
         tokenizer: Tokenizer,
         vocab_size: int,
         max_context: int,
+        security: Security,
         registry: Registry | None = None,
         decode_addresses: list[str] | None = None,
         max_attempts: int = 3,
@@ -48,37 +62,41 @@ class Router(pb_grpc.InferenceServicer):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_context = max_context
+        self.security = security
         self.registry = registry
-        self.decode_addresses = decode_addresses or []
+        self.static_decode = [WorkerInfo(worker_id=a, role="decode", address=a) for a in decode_addresses or []]
         self.max_attempts = max_attempts
-        self._channels: dict[str, grpc.Channel] = {}
-        self._in_flight: Counter[str] = Counter()  # calls this router has open, per decode address / prefill id
-        self._lock = threading.Lock()
+        self.health = WorkerHealth(self._channel)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._in_flight: Counter[str] = Counter()
+        # HF tokenizers are not safe to share between threads; one thread also bounds validation's CPU share.
+        self._validator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-validate")
 
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator:
         received = time.perf_counter()
         try:
-            prompt = self._prompt_ids(request)
-            sampling_from_proto(request.sampling)  # validation only; the decode worker builds its own
+            prompt, params = await asyncio.get_running_loop().run_in_executor(
+                self._validator, validate_generate, request, self.tokenizer, self.vocab_size, self.max_context
+            )
         except ValueError as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        request_id = request.request_id or uuid.uuid4().hex
-        targets, first_slot = self._decode_targets()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        decode, prefill = await asyncio.gather(self._live("decode"), self._live("prefill"))
+        targets = self._rank(decode)[: self.max_attempts]  # ranked and claimed below with no await between
         if not targets:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is available; is the cluster up?")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is available; is the cluster up?")
         errors = []
-        with first_slot, self._claim_prefill() as prefill_slot:  # (the outer release is a no-op once done)
-            call_request = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=request.sampling,
+        with self._claim(self._least_loaded(prefill)) as prefill_slot:
+            call_request = pb.DecodeRequest(request_id=request.request_id or uuid.uuid4().hex,
+                                            prompt_token_ids=prompt, sampling=sampling_to_proto(params),
                                             preferred_prefill_worker=prefill_slot.key)  # fmt: skip
-            for attempt, address in enumerate(targets[: self.max_attempts]):
-                remaining = context.time_remaining()  # effectively infinite when the client set no deadline
-                timeout = remaining if remaining is not None and remaining < 1e6 else None
-                call = pb_grpc.DecodeStub(self._channel(address)).Generate(call_request, timeout=timeout)
-                context.add_callback(call.cancel)
-                sent = False
-                with first_slot if attempt == 0 else self._claim(address):
+            for worker in targets:
+                with self._claim(worker.worker_id):
+                    call = pb_grpc.DecodeStub(self._channel(worker.address)).Generate(
+                        call_request, timeout=_remaining(context), metadata=self.security.metadata()
+                    )
+                    sent = False
                     try:
-                        for msg in call:
+                        async for msg in call:
                             if not sent:
                                 sent = True
                                 prefill_slot.release()  # the prompt is prefilled once the first token exists
@@ -87,98 +105,75 @@ class Router(pb_grpc.InferenceServicer):
                             yield msg
                         return
                     except grpc.RpcError as err:
-                        if not context.is_active():
-                            return
                         if sent or err.code() not in _RETRYABLE:
-                            context.abort(err.code(), err.details() or "decode worker failed")
-                        errors.append(f"{address}: {err.code().name} {err.details()}")
+                            await context.abort(err.code(), err.details() or "decode worker failed")
+                        if err.code() == grpc.StatusCode.UNAVAILABLE:
+                            self.health.bench(worker)
+                        errors.append(f"{worker.worker_id}: {err.code().name} {err.details()}")
                         log.warning("decode worker %s failed before its first token (%s); trying another",
-                                    address, err.code())  # fmt: skip
-        context.abort(grpc.StatusCode.UNAVAILABLE, "every decode worker tried failed: " + "; ".join(errors))
+                                    worker.worker_id, err.code().name)  # fmt: skip
+                    finally:
+                        call.cancel()  # a no-op once it ended; otherwise the client left, and its blocks are freed
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "every decode worker tried failed: " + "; ".join(errors))
 
-    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
-        kind = request.WhichOneof("prompt")
-        if kind is None:
-            raise ValueError("the request has no prompt: set text, token_ids or chat")
-        if kind == "text":
-            if not request.text:
-                raise ValueError("prompt text is empty")
-            ids = self.tokenizer.encode(request.text)
-        elif kind == "token_ids":
-            ids = list(request.token_ids.ids)
-            if not ids:
-                raise ValueError("prompt token_ids is empty")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
-        else:
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            if not messages:
-                raise ValueError("chat has no messages")
-            for i, m in enumerate(messages):
-                if m["role"] not in _ROLES:
-                    raise ValueError(f"chat message {i} has role {m['role']!r}; use one of {sorted(_ROLES)}")
-            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
-        if len(ids) >= self.max_context:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
-        return ids
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._validator.shutdown(wait=False, cancel_futures=True)
 
-    def _load(self, key: str, reported: int) -> int:
+    async def _live(self, role: Role) -> list[WorkerInfo]:
+        """The registered workers of ``role`` by id (else the static decode workers, in the order given) that
+        answer health checks."""
+        workers = await asyncio.to_thread(self.registry.workers, role) if self.registry is not None else []
+        workers = sorted(workers, key=lambda w: w.worker_id)
+        if not workers and role == "decode":
+            workers = self.static_decode
+        return await self.health.usable(workers, _SERVICES[role])
+
+    def _load(self, worker: WorkerInfo) -> int:
         """A worker's load: what it last reported, or what this router has sent it since, whichever is more.
 
         Heartbeats are seconds apart; without counting its own calls the router would send a whole
         burst to the worker that looked idle at the last heartbeat.
         """
-        return max(reported, self._in_flight[key])
+        return max(worker.num_running + worker.num_waiting, self._in_flight[worker.worker_id])
 
-    def _claim_prefill(self) -> _Slot:
-        """The least-loaded live prefill worker (the decode worker falls back to its own choice), counted as
-        in flight in the same locked step, so that concurrent requests see each other's choices."""
-        live = self.registry.workers("prefill") if self.registry is not None else []
-        with self._lock:
-            if not live:
-                return _Slot(self, "")
-            best = min(live, key=lambda w: (self._load(w.worker_id, w.num_running + w.num_waiting), w.worker_id))
-            return _Slot(self, best.worker_id)
+    def _rank(self, decode: list[WorkerInfo]) -> list[WorkerInfo]:
+        """Decode workers, least loaded first, then most free KV blocks (static ones report none), then as given."""
+        return sorted(decode, key=lambda w: (self._load(w), -w.free_blocks / max(1, w.total_blocks)))
 
-    def _decode_targets(self) -> tuple[list[str], _Slot]:
-        """Decode worker addresses, least loaded first, and the first one already counted as in flight
-        (ranked and counted in one locked step, like ``_claim_prefill``)."""
-        live = self.registry.workers("decode") if self.registry is not None else []
-        with self._lock:
-            if live:
-                ranked = sorted(live, key=lambda w: (self._load(w.address, w.num_running + w.num_waiting),
-                                                     -w.free_blocks / max(1, w.total_blocks), w.worker_id))  # fmt: skip
-                targets = [w.address for w in ranked]
-            else:
-                targets = list(self.decode_addresses)
-            return targets, _Slot(self, targets[0] if targets else "")
+    def _least_loaded(self, prefill: list[WorkerInfo]) -> str:
+        """The prefill worker to name (the first of the least loaded), or '' to let the decode worker choose."""
+        return min(prefill, key=self._load).worker_id if prefill else ""
 
-    def _claim(self, key: str) -> _Slot:
-        """Count a call to ``key`` as in flight until the slot is released (``with`` releases it at the end)."""
-        with self._lock:
-            return _Slot(self, key)
+    def _claim(self, worker_id: str) -> _Slot:
+        """Count a call to ``worker_id`` as in flight until the slot is released (``with`` releases it)."""
+        return _Slot(self._in_flight, worker_id)
 
-    def _channel(self, address: str) -> grpc.Channel:
-        with self._lock:
-            if address not in self._channels:
-                self._channels[address] = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-            return self._channels[address]
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = self.security.aio_channel(address)
+        return self._channels[address]
+
+
+def _remaining(context: grpc.aio.ServicerContext) -> float | None:
+    """The client's deadline as a timeout for the call we make on its behalf (None: it set none)."""
+    remaining = context.time_remaining()
+    return remaining if remaining is not None and remaining < 1e6 else None
 
 
 class _Slot:
-    """One in-flight call on a router's counter; releasing it twice is harmless. Made under the router's lock."""
+    """One in-flight call on a router's counter; releasing it twice is harmless. An empty key counts nothing."""
 
-    def __init__(self, router: Router, key: str) -> None:
-        self.router, self.key, self.held = router, key, bool(key)
+    def __init__(self, in_flight: Counter[str], key: str) -> None:
+        self.in_flight, self.key, self.held = in_flight, key, bool(key)
         if self.held:
-            router._in_flight[key] += 1
+            in_flight[key] += 1
 
     def release(self) -> None:
         if self.held:
             self.held = False
-            with self.router._lock:
-                self.router._in_flight[self.key] -= 1
+            self.in_flight[self.key] -= 1
 
     def __enter__(self) -> _Slot:
         return self

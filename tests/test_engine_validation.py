@@ -14,11 +14,18 @@ from engine import LLM, SamplingParams
     [
         ({"max_tokens": 0}, r"max_tokens must be a positive integer, got 0"),
         ({"max_tokens": -3}, r"max_tokens must be a positive integer, got -3"),
-        ({"temperature": -0.5}, r"temperature must be >= 0 .* got -0.5"),
+        ({"temperature": -0.5}, r"temperature must be a finite number >= 0 .* got -0.5"),
+        ({"temperature": float("nan")}, r"temperature must be a finite number >= 0 .* got nan"),
+        ({"temperature": float("inf")}, r"temperature must be a finite number >= 0 .* got inf"),
+        ({"temperature": 1e-38}, r"temperature must be 0 \(greedy\) or at least 0.01, got 1e-38"),
+        ({"top_p": float("nan")}, r"top_p must be in \(0, 1\], got nan"),
+        ({"repetition_penalty": float("nan")}, r"repetition_penalty must be a finite number > 0"),
+        ({"repetition_penalty": float("inf")}, r"repetition_penalty must be a finite number > 0"),
+        ({"stop_token_ids": [-1]}, r"stop_token_ids must be non-negative integers, got \[-1\]"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
         ({"top_k": -1}, r"top_k must be >= 0"),
-        ({"repetition_penalty": 0}, r"repetition_penalty must be > 0"),
+        ({"repetition_penalty": 0}, r"repetition_penalty must be a finite number > 0"),
         ({"stop": [""]}, r"stop strings must be non-empty"),
     ],
 )
@@ -36,6 +43,17 @@ def test_empty_prompt(llm, prompt):
 def test_out_of_vocabulary_token_ids(llm):
     with pytest.raises(ValueError, match=r"integers in \[0, 49152\); got \[49152\]"):
         llm.generate([[1, 2, 49152]], SamplingParams(max_tokens=4))
+
+
+def test_stop_token_ids_outside_the_vocabulary(llm):
+    with pytest.raises(ValueError, match=r"stop_token_ids must be integers in \[0, 49152\); got \[1000000000\]"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, stop_token_ids=[2, 10**9]))
+
+
+def test_smallest_temperature_samples_finite_tokens(llm):
+    [out] = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.01, seed=3, max_tokens=4, ignore_eos=True))
+    [greedy] = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert out.token_ids == greedy.token_ids  # at 0.01 the logits' gaps dwarf the noise
 
 
 def test_prompt_longer_than_model_context(llm):

@@ -1,0 +1,122 @@
+"""Every check a request passes before any engine sees it, in one place: the router's gRPC ``Generate``, the
+OpenAI HTTP API and the workers (which re-check what they receive) all call these functions.
+
+Each raises ``ValueError`` with a message that names the field, the limit and the value, for the caller to
+send back as INVALID_ARGUMENT (HTTP 400). The rules:
+
+* ``request_id``: at most ``MAX_REQUEST_ID_CHARS`` characters (it is echoed in every streamed message);
+* prompt: exactly one of text, token ids or chat messages, not empty; text and chat contents at most
+  ``MAX_PROMPT_BYTES`` of UTF-8 before tokenizing (longer never fits a context we serve, and tokenizing
+  it would cost the router about a second per MiB); chat roles from ``CHAT_ROLES`` and fewer messages
+  than context tokens; token ids inside the vocabulary; fewer tokens than the model's context, so that
+  at least one can be generated;
+* sampling: what ``SamplingParams.validate`` requires (finite numbers, temperature 0 or at least
+  ``engine.sampling_params.MIN_TEMPERATURE``, top_p in (0, 1], repetition_penalty > 0, ...), plus at
+  most ``MAX_STOP_STRINGS`` stop strings of at most ``MAX_STOP_CHARS`` characters and at most
+  ``MAX_STOP_TOKEN_IDS`` stop token ids, all inside the vocabulary;
+* length: like vLLM and OpenAI, an explicit ``max_tokens`` that does not fit beside the prompt in the
+  context is refused rather than silently cut; an unset one defaults to 16, lowered to the room left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jinja2 import TemplateError
+
+from engine.sampling_params import SamplingParams, check_token_ids
+from engine.tokenizer import Tokenizer
+from protos.kvserve.v1 import kvserve_pb2 as pb
+from rpc.convert import sampling_from_proto
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_PROMPT_BYTES = 1 << 20  # 128 bytes per token of an 8k context; the bundled model's longest token has 81
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256  # the engine checks every new token against this list
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def validate_generate(
+    request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_context: int
+) -> tuple[list[int], SamplingParams]:
+    """A public request's prompt token ids and its ``SamplingParams``, or ``ValueError``.
+
+    Tokenizing may take a while for long text: call it off the event loop.
+    """
+    validate_request_id(request.request_id)
+    ids = validate_token_ids(_prompt_ids(request, tokenizer, max_context), vocab_size, max_context)
+    return ids, validate_sampling(request.sampling, vocab_size, len(ids), max_context)
+
+
+def validate_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed")
+
+
+def validate_token_ids(ids: Sequence[int], vocab_size: int, max_context: int) -> list[int]:
+    """A prompt's ids as a list: not empty, shorter than the context (checked first: it is cheap), in the vocabulary."""
+    if not ids:
+        raise ValueError("prompt token_ids is empty")
+    if len(ids) >= max_context:
+        raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {max_context} "
+                         "(and at least one token must be generated)")  # fmt: skip
+    ids = list(ids)
+    check_token_ids(ids, vocab_size, "prompt token ids")
+    return ids
+
+
+def validate_sampling(
+    opts: pb.SamplingOptions, vocab_size: int, num_prompt_tokens: int = 0, max_context: int | None = None
+) -> SamplingParams:
+    """``opts`` as ``SamplingParams``; with ``max_context``, the prompt and ``max_tokens`` must fit in it."""
+    if len(opts.stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"{len(opts.stop)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
+    long = [i for i, s in enumerate(opts.stop) if len(s) > MAX_STOP_CHARS]
+    if long:
+        raise ValueError(f"stop string {long[0]} has {len(opts.stop[long[0]])} characters; "
+                         f"at most {MAX_STOP_CHARS} are allowed")  # fmt: skip
+    if len(opts.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"{len(opts.stop_token_ids)} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+    params = sampling_from_proto(opts)
+    params.validate(vocab_size)
+    if max_context is not None:
+        room = max_context - num_prompt_tokens
+        if not opts.HasField("max_tokens"):
+            params.max_tokens = min(params.max_tokens, room)
+        elif params.max_tokens > room:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceed the "
+                             f"model's context of {max_context} tokens; ask for at most {room} new tokens")  # fmt: skip
+    return params
+
+
+def _prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, max_context: int) -> Sequence[int]:
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise ValueError("the request has no prompt: set text, token_ids or chat")
+    if kind == "token_ids":
+        return request.token_ids.ids
+    if kind == "text":
+        if not request.text:
+            raise ValueError("prompt text is empty")
+        _check_prompt_bytes(len(request.text.encode()), "prompt text is")
+        return tokenizer.encode(request.text)
+    messages = request.chat.messages
+    if not messages:
+        raise ValueError("chat has no messages")
+    if len(messages) >= max_context:  # every message renders as at least one token
+        raise ValueError(f"chat has {len(messages)} messages; the model's context is {max_context} tokens")
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise ValueError(f"chat message {i} has role {m.role[:32]!r}; use one of {list(CHAT_ROLES)}")
+    _check_prompt_bytes(sum(len(m.content.encode()) for m in messages), "chat messages' contents are")
+    try:
+        text = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages])
+    except TemplateError as err:
+        raise ValueError(f"the model's chat template refused these messages: {err}") from err
+    return tokenizer.encode(text)
+
+
+def _check_prompt_bytes(num_bytes: int, what_is: str) -> None:
+    if num_bytes > MAX_PROMPT_BYTES:
+        raise ValueError(f"{what_is} {num_bytes} bytes long (UTF-8); at most {MAX_PROMPT_BYTES} bytes are allowed")

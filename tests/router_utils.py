@@ -1,0 +1,42 @@
+"""A router in front of one real decode worker, both served in the test process on real gRPC loopback."""
+
+from __future__ import annotations
+
+from service_utils import TEST_SECURITY, InProcessServer
+
+from decode_service.worker import DecodeWorker
+from engine import LLMEngine
+from engine.config import ModelConfig
+from engine.tokenizer import Tokenizer
+from kvstore.registry import Registry
+from router.server import Router
+from rpc.loop import AsyncioThread
+
+
+def new_router(model_dir, decode_addresses: list[str], registry: Registry | None = None) -> Router:
+    config = ModelConfig.from_dir(model_dir)
+    return Router(Tokenizer(model_dir), config.vocab_size, config.max_context, TEST_SECURITY, registry,
+                  decode_addresses)  # fmt: skip
+
+
+class RouterStack:
+    """A decode worker (``num_blocks`` of 16 tokens, local prefill) and a router that knows only it, sharing
+    one event-loop thread. ``address`` is the router's; ``stop()`` ends everything it started."""
+
+    def __init__(self, model_dir, num_blocks: int = 64) -> None:
+        self.aio = AsyncioThread()
+        self.engine = LLMEngine(model="default", num_blocks=num_blocks, block_size=16)
+        self.worker = DecodeWorker(self.engine, "decode-0", "127.0.0.1:0", self.aio, TEST_SECURITY)
+        self.worker.loop.start()
+        self.decode = InProcessServer({"Decode": self.worker}, aio=self.aio)
+        self.router = new_router(model_dir, [self.decode.address])
+        self.front = InProcessServer({"Inference": self.router}, aio=self.aio)
+        self.address = self.front.address
+
+    def stop(self) -> None:
+        self.front.stop()
+        self.aio.run(self.router.close())
+        self.decode.stop()
+        self.worker.stop()
+        self.engine.close()
+        self.aio.stop()
