@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 from cluster_utils import ENGINE_ARGV, Load, cluster, free_base_port, supervised
 
 from kvserve.client import Client
@@ -92,6 +93,30 @@ def test_no_blocks_leak_after_the_faults(two_by_two):
     # blocks a killed prefill worker was writing stay quarantined until their lease ends (--prefill-timeout-s)
     took_s = _wait(all_free, 20, f"every decode worker idle with all blocks free: {registry.workers('decode')}")
     print(f"\nall decode blocks free {took_s:.1f} s after the load")
+    raw = redis.Redis.from_url(c.redis_url)
+    _wait(lambda: not raw.keys("kvserve:lease:*"), 20, "no lease left in Redis")
+    raw.close()
+
+
+@pytest.mark.slow
+def test_paused_redis_costs_no_request(two_by_two):
+    c, _, _ = two_by_two
+    load = Load(c.endpoint, threads=3)
+    try:
+        _wait(lambda: load.completed >= 3, 60, "the load got going")
+        os.kill(c.redis.pid, signal.SIGSTOP)
+        try:
+            before = load.completed
+            time.sleep(10)
+            during = load.done_since(before)
+        finally:
+            os.kill(c.redis.pid, signal.SIGCONT)
+        after = load.completed
+        _wait(lambda: load.done_since(after) >= 3, 60, "requests completing after Redis resumed")
+    finally:
+        load.stop()
+    print(f"\nRedis paused 10 s: {during} requests completed meanwhile, {len(load.failures)} failed")
+    assert load.failures == [] and during > 0
 
 
 @pytest.mark.slow
