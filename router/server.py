@@ -38,7 +38,10 @@ from rpc.convert import sampling_to_proto
 from rpc.validation import validate_generate
 
 log = logging.getLogger(__name__)
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL}
+# UNAUTHENTICATED from a decode worker means this router's cluster token is wrong: the client is not to blame,
+# so it gets UNAVAILABLE (after trying the others), not an internal service's auth error.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
+              grpc.StatusCode.UNAUTHENTICATED}  # fmt: skip
 _SERVICES = {"decode": "kvserve.v1.Decode", "prefill": "kvserve.v1.Prefill"}
 
 

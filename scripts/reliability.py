@@ -60,6 +60,7 @@ def prompts(n: int, distinct: int, seed: int = 0) -> list[list[int]]:
 
 
 def up(log_dir: str, threads: int | None = None) -> Cluster:
+    os.makedirs(log_dir, exist_ok=True)
     return start_cluster(num_prefill=2, num_decode=2, port=free_base_port(), engine_argv=ENGINE_ARGV,
                          threads=threads, log_dir=log_dir)  # fmt: skip
 
@@ -146,9 +147,11 @@ def faults(args: argparse.Namespace, log_dir: str) -> int:
             time.sleep(0.1)
         recovery = time.monotonic() - t0
         load.join()
-        lost = len(result[0].records) - len(result[0].ok())
-        rows.append((name, lost, len(result[0].records), recovery, dict(result[0].errors)))
-        print(f"{name}: lost {lost}/{len(result[0].records)} {dict(result[0].errors)}; recovered in {recovery:.1f} s")
+        failed = [r for r in result[0].records if r.status != "OK"]
+        before_first = sum(r.num_tokens == 0 for r in failed)  # the router must have retried all of these
+        rows.append((name, len(failed), len(result[0].records), before_first, recovery, dict(result[0].errors)))
+        print(f"{name}: lost {len(failed)}/{len(result[0].records)} {dict(result[0].errors)} ({before_first} "
+              f"before their first token); recovered in {recovery:.1f} s")  # fmt: skip
         time.sleep(3.0)
 
     def killed(name: str):
@@ -181,9 +184,10 @@ def faults(args: argparse.Namespace, log_dir: str) -> int:
         old_redis = redis_child.pid
         under_load("SIGKILL Redis", lambda: os.kill(old_redis, signal.SIGKILL),
                    lambda: redis_child.pid not in (None, old_redis) and redis_child.answers() and registered())
-        print("\n| fault | requests lost | seconds to recovery |\n|---|---|---|")
-        for name, lost, total, recovery, errors in rows:
-            print(f"| {name} | {lost}/{total} {errors or ''} | {recovery:.1f} |")
+        print("\n| fault | requests lost | of them before the first token | seconds to recovery |")
+        print("|---|---|---|---|")
+        for name, lost, total, before_first, recovery, errors in rows:
+            print(f"| {name} | {lost}/{total} {errors or ''} | {before_first} | {recovery:.1f} |")
         return 0
     finally:
         stop.set()

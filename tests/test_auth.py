@@ -224,3 +224,25 @@ def test_pool_files_are_private_to_the_cluster(cluster):
     decode, _ = cluster
     assert os.stat(decode.shm_path).st_mode & 0o777 == 0o600
     assert os.stat(pool_dir()).st_mode & 0o777 == 0o700
+
+
+def test_a_router_with_the_wrong_token_tells_its_client_unavailable_not_unauthenticated(cluster, model_dir):
+    """The public client did nothing wrong: the internal auth error stays inside, the router's log names it."""
+    from router_utils import new_router
+
+    from router.server import Router
+
+    decode, _ = cluster
+    router: Router = new_router(model_dir, [decode.address])
+    router.security = Security(token="not-the-cluster-token")
+    front = InProcessServer({"Inference": router})
+    try:
+        with grpc.insecure_channel(front.address) as channel:
+            request = pb.GenerateRequest(text="Hello", sampling=pb.SamplingOptions(max_tokens=2))
+            with pytest.raises(grpc.RpcError) as err:
+                list(pb_grpc.InferenceStub(channel).Generate(request, timeout=30))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "UNAUTHENTICATED" in err.value.details()
+    finally:
+        front.aio.run(router.close())
+        front.stop()
