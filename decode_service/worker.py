@@ -154,7 +154,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         try:
             outputs = self.engine.step()
         except StepError as err:  # fail the requests of that batch; the rest carry on
-            log.error("engine step failed for %d requests: %s", len(err.request_ids), err.__cause__ or err)
+            log.error("engine step failed for %d requests: %s", len(err.request_ids), err)
             for rid in err.request_ids:
                 if (req := self._active.get(rid)) is not None:
                     self._finish(req, S.FAILED, (grpc.StatusCode.INTERNAL, "decode step failed; see the worker's log"))

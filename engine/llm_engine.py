@@ -44,8 +44,8 @@ class StepError(RuntimeError):
     """A step's model run failed. ``request_ids`` are the requests of that batch: abort them (their KV is
     suspect); the engine itself stays usable for the others."""
 
-    def __init__(self, request_ids: list[str]) -> None:
-        super().__init__(f"model step failed for {len(request_ids)} requests")
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"model step failed for {len(request_ids)} requests: {type(cause).__name__}: {cause}")
         self.request_ids = request_ids
 
 
@@ -191,7 +191,7 @@ class LLMEngine:
         try:
             tokens = self.runner.execute(batch)
         except Exception as err:
-            raise StepError([seq.seq_id for seq in batch.seqs]) from err
+            raise StepError([seq.seq_id for seq in batch.seqs], err) from err
         outputs = []
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens, strict=True):
             seq.num_computed_tokens += n

@@ -129,7 +129,11 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         if pool is not None:  # shm or cuda_ipc: the bytes are already in the decode worker's pool
             digest = await asyncio.to_thread(checksum_blocks, pool, dst_blocks)
         else:
-            digest = await self._push(dest, request.request_id, dst_blocks, result.chunks)
+            try:
+                digest = await self._push(dest, request.request_id, dst_blocks, result.chunks)
+            except grpc.aio.AioRpcError as err:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"pushing the KV to decode worker "
+                                    f"{dest.worker_id} failed: {err.code().name}: {err.details()}")  # fmt: skip
         return pb.PrefillResponse(
             first_token_id=result.first_token,
             checksum=digest,
