@@ -1,6 +1,6 @@
 """Which workers hold which full KV blocks: ``kvserve:prefix:{block_hash}`` sets in Redis, fed by block events.
 
-Each worker's block manager reports the blocks it stored and evicted (``add_blocks`` / ``remove_blocks``);
+Each worker's engine reports the blocks it stored and evicted, which ``PrefixPublisher`` applies (``apply``);
 the router asks ``owners(chain)`` how long a prefix of a prompt's chained block hashes each worker holds and
 weighs that against load. The index is a hint: a stale entry costs speed, never correctness (a decode worker
 confirms a hit against its own token ids), so during a Redis outage writes are dropped and ``owners`` answers
@@ -29,13 +29,29 @@ class PrefixIndex:
     def __init__(self, link: RedisLink) -> None:
         self._link = link
 
-    def add_blocks(self, worker_id: str, hashes: Iterable[str]) -> None:
-        """Record that ``worker_id`` holds the full blocks with these chained hashes."""
-        self._update("add_blocks", worker_id, hashes, add=True)
+    def apply(self, worker_id: str, events: dict[str, bool]) -> None:
+        """Apply ``hash -> held`` events of one worker in one pipelined round trip."""
+        def write() -> None:
+            pipe = self._link.client.pipeline(transaction=False)
+            for block_hash, held in events.items():
+                (pipe.sadd if held else pipe.srem)(prefix_key(block_hash), worker_id)
+            pipe.execute()
 
-    def remove_blocks(self, worker_id: str, hashes: Iterable[str]) -> None:
-        """Record that ``worker_id`` evicted these blocks."""
-        self._update("remove_blocks", worker_id, hashes, add=False)
+        if events:
+            self._link.call("prefix_events", write, None)
+
+    def purge_worker(self, worker_id: str) -> None:
+        """Drop ``worker_id`` from every prefix set: it died, or it restarted with an empty cache. A scan of the
+        index, so it runs only on such events, never per request."""
+        def purge() -> None:
+            client = self._link.client
+            for keys in _batches(client.scan_iter(match=prefix_key("*"), count=1000), 1000):
+                pipe = client.pipeline(transaction=False)
+                for key in keys:
+                    pipe.srem(key, worker_id)
+                pipe.execute()
+
+        self._link.call("purge_prefix_entries", purge, None)
 
     def owners(self, hashes: Sequence[str]) -> dict[str, int]:
         """For each worker holding ``hashes[0]``: how many leading hashes of the chain it holds, up to its first miss.
@@ -61,14 +77,13 @@ class PrefixIndex:
                 counts[worker_id] = counts.get(worker_id, 0) + 1
         return counts
 
-    def _update(self, what: str, worker_id: str, hashes: Iterable[str], add: bool) -> None:
-        def write() -> None:
-            pipe = self._link.client.pipeline(transaction=False)
-            for block_hash in hashes:
-                if add:
-                    pipe.sadd(prefix_key(block_hash), worker_id)
-                else:
-                    pipe.srem(prefix_key(block_hash), worker_id)
-            pipe.execute()
 
-        self._link.call(what, write, None)
+def _batches(items: Iterable[str], size: int) -> Iterable[list[str]]:
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

@@ -175,8 +175,9 @@ class Registry:
                 pipe.hgetall(_worker_key(worker_id))
             hashes = pipe.execute()
             dead = [worker_id for worker_id, fields in zip(ids, hashes, strict=True) if not fields]
-            if dead:
-                self._redis.srem(WORKERS_KEY, *dead)
+            if dead and self._redis.srem(WORKERS_KEY, *dead):  # the first reader to notice a death cleans up
+                for worker_id in dead:
+                    self.prefix_index.purge_worker(worker_id)
             live = [info for worker_id, fields in zip(ids, hashes, strict=True)
                     if fields and (info := self._verified_worker(worker_id, fields)) is not None]  # fmt: skip
             self._last_workers = live

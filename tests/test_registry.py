@@ -155,16 +155,16 @@ def test_lease_lifecycle_and_expiry(registry: Registry, raw: redis.Redis) -> Non
 def test_prefix_owners_counts_leading_blocks_only(registry: Registry) -> None:
     index = registry.prefix_index
     chain = ["h0", "h1", "h2", "h3", "h4"]
-    index.add_blocks("full", chain)
-    index.add_blocks("gap", ["h0", "h1", "h3", "h4"])  # misses h2: only 2 leading blocks count
-    index.add_blocks("tail", ["h1", "h2", "h3"])  # lacks h0: holds no prefix at all
+    index.apply("full", dict.fromkeys(chain, True))
+    index.apply("gap", dict.fromkeys(["h0", "h1", "h3", "h4"], True))  # misses h2: only 2 leading blocks count
+    index.apply("tail", dict.fromkeys(["h1", "h2", "h3"], True))  # lacks h0: holds no prefix at all
 
     assert index.owners(chain) == {"full": 5, "gap": 2}
     assert index.owners(chain[:1]) == {"full": 1, "gap": 1}
     assert index.owners(["other"] + chain) == {}
     assert index.owners([]) == {}
 
-    index.remove_blocks("full", ["h3"])
+    index.apply("full", {"h3": False})
     assert index.owners(chain) == {"full": 3, "gap": 2}
 
 
@@ -259,7 +259,7 @@ def test_killed_redis_restarted_empty_relearns_the_worker_and_resyncs(caplog: py
     resyncs: list[float] = []
 
     def resync() -> None:  # what a worker does: republish its blocks (and leases)
-        reg.prefix_index.add_blocks("d0", ["h0"])
+        reg.prefix_index.apply("d0", {"h0": True})
         resyncs.append(time.monotonic())
 
     try:

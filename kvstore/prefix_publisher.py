@@ -1,0 +1,68 @@
+"""A worker's side of the Redis prefix index: its engine's block events, applied from a thread of their own.
+
+The engine loop only hands events over (``publish``: a list append under a lock); a daemon thread takes
+whatever piled up every ``interval_s`` and applies it in one pipelined round trip, the last event per hash
+winning. A full ``resync`` (at start, after a worker restart with the same id, when Redis lost everything)
+first purges every entry naming this worker, then publishes the set the engine holds now. Redis being down
+costs the events of the outage, which the next resync restores.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+from kvstore.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+
+class PrefixPublisher:
+    def __init__(self, index: PrefixIndex, worker_id: str, held_now: Callable[[], list[str]],
+                 interval_s: float = 0.05) -> None:  # fmt: skip
+        """``held_now()`` returns every block hash the worker holds (called on the publisher thread)."""
+        self.index = index
+        self.worker_id = worker_id
+        self.held_now = held_now
+        self.interval_s = interval_s
+        self._pending: dict[str, bool] = {}  # hash -> held, in event order
+        self._resync = True  # a worker starts by dropping whatever an earlier process of its id left behind
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="prefix-publisher", daemon=True)
+        self._thread.start()
+
+    def publish(self, stored: Iterable[str], evicted: Iterable[str]) -> None:
+        """Queue block events (from the engine loop; never blocks on Redis)."""
+        if not stored and not evicted:
+            return
+        with self._lock:
+            for block_hash in evicted:
+                self._pending.pop(block_hash, None)
+                self._pending[block_hash] = False
+            for block_hash in stored:
+                self._pending.pop(block_hash, None)
+                self._pending[block_hash] = True
+
+    def resync(self) -> None:
+        """Republish the whole held set on the next round (e.g. Redis came back empty)."""
+        with self._lock:
+            self._resync = True
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            with self._lock:
+                resync, self._resync = self._resync, False
+                events, self._pending = self._pending, {}
+            try:
+                if resync:  # the held set now is newer than any event queued before it
+                    self.index.purge_worker(self.worker_id)
+                    events = dict.fromkeys(self.held_now(), True)
+                self.index.apply(self.worker_id, events)
+            except Exception:  # noqa: BLE001 - the index is a hint; the next resync repairs it
+                log.exception("publishing prefix events failed")
