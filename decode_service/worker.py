@@ -78,7 +78,8 @@ class DecodeWorker(pb_grpc.DecodeServicer):
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(worker_id=self.worker_id, role="decode", address=self.address, host_id=self.host_id,
-                          device=str(self.engine.runner.device), fingerprint=self.fingerprint, **self.load())
+                          device=str(self.engine.runner.device), fingerprint=self.fingerprint,
+                          block_size=self.engine.config.block_size, **self.load())  # fmt: skip
 
     def load(self) -> dict[str, int]:
         bm = self.engine.block_manager

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 Role = Literal["prefill", "decode", "router"]
 ROLES: tuple[str, ...] = get_args(Role)
 LOAD_FIELDS = ("free_blocks", "total_blocks", "num_running", "num_waiting")
-SIGNED_FIELDS = ("worker_id", "role", "address", "host_id", "device", "fingerprint", "started_at")
+SIGNED_FIELDS = ("worker_id", "role", "address", "host_id", "device", "fingerprint", "block_size", "started_at")
 LEASE_STATES = ("pending", "transferring", "success", "failed")
 
 
@@ -54,6 +54,7 @@ class WorkerInfo:
     host_id: str = field(default_factory=local_host_id)
     device: str = "cpu"
     fingerprint: str = ""
+    block_size: int = 0  # tokens per KV block (0: holds no KV); with the fingerprint, what prefix hashes need
     free_blocks: int = 0
     total_blocks: int = 0
     num_running: int = 0
@@ -84,6 +85,7 @@ class WorkerInfo:
             host_id=fields["host_id"],
             device=fields["device"],
             fingerprint=fields["fingerprint"],
+            block_size=int(fields["block_size"]),
             started_at=float(fields["started_at"]),
             **{name: int(fields[name]) for name in LOAD_FIELDS},
         )

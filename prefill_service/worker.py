@@ -189,7 +189,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
     def info(self) -> WorkerInfo:
         return WorkerInfo(worker_id=self.worker_id, role="prefill", address=self.address, host_id=local_host_id(),
                           device=str(self.engine.runner.device), fingerprint=self.fingerprint,
-                          **self.load())  # fmt: skip
+                          block_size=self.engine.config.block_size, **self.load())  # fmt: skip
 
     def drain(self, timeout_s: float) -> None:
         """Refuse new prefills; the batcher stops once the queued ones are done or ``timeout_s`` passes."""

@@ -15,6 +15,7 @@ from engine.bundled import resolve_model
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
 from kvstore.registry import Registry
+from router.routing import RoutingWeights
 from router.server import Router
 from rpc.auth import Security, add_security_args, security_from_args
 from rpc.server import add_service, new_server, set_not_serving, start_server
@@ -31,6 +32,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-address", action="append", default=[], help="static decode workers (no Redis)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds SIGTERM lets open streams finish")  # fmt: skip
+    routing = parser.add_argument_group("cache-aware routing (see router/routing.py)")
+    routing.add_argument("--route-block-weight", type=float, default=RoutingWeights.block_weight,
+                         help="cost of one prompt block a worker would compute or receive")
+    routing.add_argument("--route-load-weight", type=float, default=RoutingWeights.load_weight,
+                         help="cost of one request a worker runs or queues")
+    routing.add_argument("--route-balance-threshold", type=int, default=RoutingWeights.balance_threshold,
+                         help="requests of imbalance past which load alone decides")
     add_security_args(parser)
     args, _ = parser.parse_known_args(argv)  # engine flags meant for workers are accepted and ignored
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
@@ -41,7 +49,12 @@ def main(argv: list[str] | None = None) -> None:
     path = resolve_model(args.model)
     config = ModelConfig.from_dir(path)
     registry = Registry(args.redis_url, security=security) if args.redis_url else None
-    router = Router(Tokenizer(path), config.vocab_size, config.max_context, security, registry, args.decode_address)
+    try:
+        weights = RoutingWeights(args.route_block_weight, args.route_load_weight, args.route_balance_threshold)
+    except ValueError as err:
+        parser.error(str(err))
+    router = Router(Tokenizer(path), config.vocab_size, config.max_context, security, registry, args.decode_address,
+                    weights=weights)  # fmt: skip
     try:
         asyncio.run(serve(router, f"{args.host}:{args.port}", security, args.drain_timeout))
     finally:

@@ -28,11 +28,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from engine.tokenizer import Tokenizer
+from kvstore.prefix_hash import block_hashes
 from kvstore.registry import Registry
 from kvstore.workers import Role, WorkerInfo
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from router.health import WorkerHealth
+from router.routing import RoutingWeights, choose
 from rpc.auth import Security
 from rpc.convert import sampling_to_proto
 from rpc.validation import validate_generate
@@ -61,6 +63,7 @@ class Router(pb_grpc.InferenceServicer):
         registry: Registry | None = None,
         decode_addresses: list[str] | None = None,
         max_attempts: int = 3,
+        weights: RoutingWeights | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -69,6 +72,8 @@ class Router(pb_grpc.InferenceServicer):
         self.registry = registry
         self.static_decode = [WorkerInfo(worker_id=a, role="decode", address=a) for a in decode_addresses or []]
         self.max_attempts = max_attempts
+        self.weights = weights or RoutingWeights()
+        self.decisions: Counter[str] = Counter()  # routing decisions by reason ("prefix", "load")
         self.health = WorkerHealth(self._channel)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._in_flight: Counter[str] = Counter()
@@ -84,11 +89,14 @@ class Router(pb_grpc.InferenceServicer):
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         decode, prefill = await asyncio.gather(self._live("decode"), self._live("prefill"))
-        targets = self._rank(decode)[: self.max_attempts]  # ranked and claimed below with no await between
+        owners, num_blocks = await asyncio.to_thread(self._prefix_owners, prompt, decode)
+        choice = choose(decode, prefill, owners, num_blocks, self._load, self.weights)  # claimed with no await
+        targets = choice.decode[: self.max_attempts]
         if not targets:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is available; is the cluster up?")
+        self.decisions[choice.reason] += 1
         errors = []
-        with self._claim(self._least_loaded(prefill)) as prefill_slot:
+        with self._claim(choice.prefill) as prefill_slot:
             call_request = pb.DecodeRequest(request_id=request.request_id or uuid.uuid4().hex,
                                             prompt_token_ids=prompt, sampling=sampling_to_proto(params),
                                             preferred_prefill_worker=prefill_slot.key)  # fmt: skip
@@ -141,13 +149,18 @@ class Router(pb_grpc.InferenceServicer):
         """
         return max(worker.num_running + worker.num_waiting, self._in_flight[worker.worker_id])
 
-    def _rank(self, decode: list[WorkerInfo]) -> list[WorkerInfo]:
-        """Decode workers, least loaded first, then most free KV blocks (static ones report none), then as given."""
-        return sorted(decode, key=lambda w: (self._load(w), -w.free_blocks / max(1, w.total_blocks)))
-
-    def _least_loaded(self, prefill: list[WorkerInfo]) -> str:
-        """The prefill worker to name (the first of the least loaded), or '' to let the decode worker choose."""
-        return min(prefill, key=self._load).worker_id if prefill else ""
+    def _prefix_owners(self, prompt: list[int], decode: list[WorkerInfo]) -> tuple[dict[str, int], int]:
+        """(worker id -> leading full blocks of ``prompt`` it holds, the prompt's blocks incl. a partial tail),
+        hashed the way the workers' engines hash (their fingerprint and block size); one Redis round trip."""
+        layout = next((w for w in decode if w.block_size), None)
+        if layout is None:
+            return {}, 1
+        num_blocks = -(-len(prompt) // layout.block_size)
+        if self.registry is None:
+            return {}, num_blocks
+        # the hashes are salted with the layout's fingerprint: only workers of that layout can hold them
+        chain = block_hashes(prompt, layout.block_size, layout.fingerprint)
+        return self.registry.prefix_index.owners(chain), num_blocks
 
     def _claim(self, worker_id: str) -> _Slot:
         """Count a call to ``worker_id`` as in flight until the slot is released (``with`` releases it)."""

@@ -107,6 +107,7 @@ def test_router_counts_each_choice_as_it_makes_it(model_dir):
     """Requests between two heartbeats: a request ranks the workers and counts its choices with no await in
     between, so 8 requests split 4/4 over two idle workers of each role, and releases undo the counts."""
     from kvstore.workers import WorkerInfo
+    from router.routing import choose
 
     router = new_router(model_dir, [])
     prefill = [WorkerInfo(worker_id=f"prefill-{i}", role="prefill", address=f"127.0.0.1:{9100 + i}") for i in range(2)]
@@ -114,8 +115,8 @@ def test_router_counts_each_choice_as_it_makes_it(model_dir):
                          total_blocks=100) for i in range(2)]  # fmt: skip
     slots = []
     for _ in range(8):
-        first = router._rank(decode)[0]
-        slots.append((router._claim(router._least_loaded(prefill)), router._claim(first.worker_id)))
+        choice = choose(decode, prefill, {}, 4, router._load, router.weights)
+        slots.append((router._claim(choice.prefill), router._claim(choice.decode[0].worker_id)))
     assert sorted(p.key for p, _ in slots) == ["prefill-0"] * 4 + ["prefill-1"] * 4
     assert sorted(d.key for _, d in slots) == ["decode-0"] * 4 + ["decode-1"] * 4
     for p, d in slots:
