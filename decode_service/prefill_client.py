@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -19,7 +20,7 @@ from kvstore.transfer import checksum_blocks
 from kvstore.workers import WorkerInfo
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from rpc import lease
+from rpc import lease, metrics
 from rpc.auth import Security
 from rpc.convert import sampling_to_proto
 from rpc.loop import AsyncioThread
@@ -74,7 +75,9 @@ class PrefillClient:
         req.tried.append(target.worker_id)
         lease.grant(self.security, req.request_id, dest, target.worker_id, timeout_s)
         call = pb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
-                                 sampling=sampling_to_proto(req.params), destination=dest)  # fmt: skip
+                                 sampling=sampling_to_proto(req.params), destination=dest,
+                                 num_cached_tokens=req.num_cached_tokens)  # fmt: skip
+        req.prefill_sent_at = time.perf_counter()
         req.future = self.aio.submit(self._call(target.address, call, timeout_s))
         self.publish_lease(req, timeout_s)
 
@@ -82,7 +85,7 @@ class PrefillClient:
         """Write ``req``'s lease to ``kvserve:lease:{request_id}`` (it expires by itself after ``ttl_s``)."""
         if self.registry is not None:
             self._publisher.submit(self.registry.put_lease, req.request_id, self.worker_id, req.prefill_worker,
-                                   list(req.block_ids), ttl_s)  # fmt: skip
+                                   list(req.leased), ttl_s)  # fmt: skip
 
     def end_lease(self, req: ActiveRequest) -> None:
         if self.registry is not None:
@@ -91,7 +94,7 @@ class PrefillClient:
     def outcome(self, req: ActiveRequest, kv_cache: KVCache, num_blocks: int) -> tuple[pb.PrefillResponse | None,
                                                                                   str | None, bool]:
         """(reply, error, writer_done) of a finished, expired or abandoned call: ``error`` is None when the KV
-        arrived intact (our checksum of the first ``num_blocks`` blocks matches the writer's);
+        arrived intact (our checksum of the first ``num_blocks`` leased blocks matches the writer's);
         ``writer_done`` says no late write can still land in the blocks."""
         if not req.future.done():
             req.future.cancel()  # lease expired or client gone: the prefill worker drops the job
@@ -102,8 +105,12 @@ class PrefillClient:
             code = exc.code() if isinstance(exc, grpc.RpcError) else None
             return None, f"{code.name}: {exc.details()}" if code else f"{type(exc).__name__}: {exc}", code in _REFUSED
         reply: pb.PrefillResponse = req.future.result()
-        if reply.checksum != checksum_blocks(kv_cache, req.block_ids[:num_blocks]):
+        written = req.leased[:num_blocks]
+        if reply.checksum != checksum_blocks(kv_cache, written):
             return None, "checksum of the written KV does not match", False
+        req.num_cached_tokens = max(req.num_cached_tokens, reply.num_cached_tokens)  # ours, or P's own hit
+        metrics.HANDOFF.labels(req.backend).observe(time.perf_counter() - req.prefill_sent_at)
+        metrics.TRANSFER_BYTES.labels(req.backend).inc(len(written) * kv_cache.spec.bytes_per_block())
         return reply, None, True
 
     async def _call(self, address: str, request: pb.PrefillRequest, timeout_s: float) -> pb.PrefillResponse:

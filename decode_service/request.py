@@ -25,6 +25,7 @@ import grpc
 from engine import RequestOutput, SamplingParams
 from kvstore import BlockManager
 from protos.kvserve.v1 import kvserve_pb2 as pb
+from rpc import metrics
 
 
 class RequestState(enum.Enum):
@@ -73,7 +74,11 @@ class ActiveRequest:
     lease_deadline: float = 0.0
     tried: list[str] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # leading prompt tokens found in our own prefix cache (whole blocks)
+    leased: list[int] = field(default_factory=list)  # the blocks after them, leased to the prefill worker
     first_token_at: float | None = None
+    last_token_at: float = 0.0
+    prefill_sent_at: float = 0.0
     prefill_ms: float = 0.0
     transfer_ms: float = 0.0
 
@@ -94,6 +99,7 @@ class ActiveRequest:
         if self.state.terminal:
             return
         self.state = state
+        metrics.REQUESTS.labels("decode", state.value).inc()
         self.emit(error)
 
     def response(self, out: RequestOutput, worker_id: str) -> pb.GenerateResponse:
@@ -101,13 +107,24 @@ class ActiveRequest:
         now = time.perf_counter()
         if self.first_token_at is None:
             self.first_token_at = now
+            metrics.TTFT.observe(now - self.received)
+            self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)  # ours, or a local prefill's
+            metrics.PREFIX_QUERIES.labels("decode").inc(len(self.prompt))
+            metrics.PREFIX_HITS.labels("decode").inc(self.num_cached_tokens)
+        else:
+            metrics.ITL.observe(now - self.last_token_at)
+        self.last_token_at = now
         msg = pb.GenerateResponse(request_id=self.public_id, token_ids=out.new_token_ids, text=out.new_text)
         if out.finished:
             msg.finish_reason = out.finish_reason or ""
             msg.usage.prompt_tokens = len(self.prompt)
             msg.usage.completion_tokens = len(out.token_ids)
+            msg.usage.cached_prompt_tokens = self.num_cached_tokens
             msg.timings.ttft_ms = (self.first_token_at - self.received) * 1000
             msg.timings.total_ms = (now - self.received) * 1000
+            metrics.E2E.observe(now - self.received)
+            if len(out.token_ids) > 1:
+                metrics.TPOT.observe((now - self.first_token_at) / (len(out.token_ids) - 1))
             msg.timings.prefill_ms = self.prefill_ms
             msg.timings.transfer_ms = self.transfer_ms
             msg.transfer_backend = self.backend

@@ -59,7 +59,6 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         self.address = address
         self.security = security
         self.shm_path = shm_path
-        self.max_waiting = max_waiting
         self.force_backend = force_backend
         self.host_id = local_host_id()
         self.cuda_ipc_handle = export_cuda_ipc(engine.runner.kv_cache) if engine.runner.device.type == "cuda" else b""
@@ -116,7 +115,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         if not self.admission.enter():
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"decode worker {self.worker_id} has {self.max_waiting} requests waiting for KV "
+                                f"decode worker {self.worker_id} has {self.admission.limit} requests waiting for KV "
                                 "blocks (its queue limit); retry later or add decode workers")  # fmt: skip
         req = ActiveRequest(f"{request.request_id[:64] or 'req'}-{uuid.uuid4().hex[:12]}", request.request_id,
                             prompt, params, asyncio.get_running_loop(), request.preferred_prefill_worker)
@@ -137,7 +136,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         """(blocks, prefill worker) of a request whose prefill is in flight; ([], '') otherwise. For PushKV."""
         req = self._active.get(request_id)
         live = req is not None and req.state is S.PREFILLING and req.prefill_worker
-        return (req.block_ids, req.prefill_worker) if live else ([], "")
+        return (req.leased, req.prefill_worker) if live else ([], "")
 
     # -- the loop (main thread) -----------------------------------------------------------------------
 
@@ -198,15 +197,15 @@ class DecodeWorker(pb_grpc.DecodeServicer):
     def _start_prefills(self) -> None:
         while self._queued:
             req = self._queued[0]
-            blocks = self.engine.reserve(req.request_id, len(req.prompt))
-            if blocks is None and self.engine.has_unfinished_requests():
+            reserved = self.engine.reserve(req.request_id, req.prompt)  # our cached prefix, then new blocks
+            if reserved is None and self.engine.has_unfinished_requests():
                 return  # wait for running sequences to finish and free blocks
             self._queued.popleft()
             self.admission.leave()
-            if blocks is None:  # idle and still no room: let the engine's own scheduler admit it in chunks
+            if reserved is None:  # idle and still no room: let the engine's own scheduler admit it in chunks
                 self._guarded(self._start_local, req)
                 continue
-            req.block_ids = blocks
+            req.block_ids, req.num_cached_tokens = reserved
             req.move(S.RESERVED)
             self._guarded(self._submit_prefill, req)
 
@@ -221,8 +220,9 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         timeout = self.prefills.timeout_for(len(req.prompt))
         req.move(S.PREFILLING)
         req.backend, req.lease_deadline = backend, time.monotonic() + timeout
+        req.leased = req.block_ids[req.num_cached_tokens // self.engine.config.block_size :]  # what P writes
         dest = pb.KVDestination(worker_id=self.worker_id, backend=backend, address=self.address,
-                                fingerprint=self.fingerprint, block_ids=req.block_ids, shm_path=self.shm_path,
+                                fingerprint=self.fingerprint, block_ids=req.leased, shm_path=self.shm_path,
                                 num_blocks=self.engine.runner.num_blocks,
                                 cuda_ipc_handle=self.cuda_ipc_handle)  # fmt: skip
         self.prefills.start(req, target, dest, timeout)
@@ -239,7 +239,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
                 self._guarded(self._collect_prefill, req)
 
     def _collect_prefill(self, req: ActiveRequest) -> None:
-        num_written = self.engine.block_manager.num_blocks_for(len(req.prompt))
+        num_written = self.engine.block_manager.num_blocks_for(len(req.prompt)) - len(req.block_ids) + len(req.leased)
         reply, error, writer_done = self.prefills.outcome(req, self.engine.runner.kv_cache, num_written)
         if req.cancelled:
             self._finish(req, S.ABORTED, writer_done=writer_done)
@@ -251,7 +251,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
             log.warning("prefill of %s on %s failed (%s); retrying", req.request_id, req.prefill_worker, error)
             self._release_blocks(req, writer_done)
             req.move(S.RESERVED)
-            req.block_ids = self.engine.reserve(req.request_id, len(req.prompt)) or []
+            req.block_ids, req.num_cached_tokens = self.engine.reserve(req.request_id, req.prompt) or ([], 0)
             if req.block_ids:
                 self._submit_prefill(req)
             else:

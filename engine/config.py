@@ -31,6 +31,9 @@ class EngineConfig(BaseSettings):
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(4096, ge=1)
     max_model_len: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool = Field(
+        True, description="reuse the KV of full blocks earlier requests computed for the same leading tokens"
+    )
     seed: int = 0
     shared_kv_name: str | None = Field(None, description="put the KV pool in a shared-memory file with this name")
     skip_tokenizer_init: bool = Field(

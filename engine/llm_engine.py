@@ -5,6 +5,11 @@ A request's life: ``add_request`` validates it, tokenizes it and queues a
 appends the sampled tokens, checks stop conditions and frees the blocks of
 whatever finished. ``abort`` ends a request at once and frees its blocks.
 The decode worker drives an engine through exactly these three calls.
+
+Prefix caching: a request starts after the longest cached run of full blocks
+of its tokens (``RequestOutput.num_cached_tokens``); every full block, output
+blocks included, is cached once its KV is computed and stays until evicted
+(least recently used first). ``take_prefix_events`` reports the changes.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvstore import BlockManager
+from kvstore.kv_cache import copy_blocks
+from kvstore.transfer import fingerprint
 
 Prompt = str | list[int]
 
@@ -38,6 +45,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
 
 
 class StepError(RuntimeError):
@@ -65,7 +73,9 @@ class LLMEngine:
             )
         # A sequence must always fit in the pool on its own, or preemption could never make room for it.
         self.max_model_len = min(self.config.max_model_len or self.model_config.max_context, pool_tokens)
-        self.block_manager = BlockManager(self.runner.num_blocks, block_size)
+        self.prefix_salt = fingerprint(self.model_config.architecture, self.runner.kv_spec)
+        caching, salt = self.config.enable_prefix_caching, self.prefix_salt
+        self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_caching=caching, salt=salt)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -114,11 +124,26 @@ class LLMEngine:
         *,
         kv_destination: tuple[list, list[int]] | None = None,
         hold_blocks: bool = False,
+        num_dest_cached_tokens: int = 0,
     ) -> str:
-        """Queue a request. ``kv_destination`` = (another pool's layers, block ids) also receives its prompt's KV
-        as it is computed; ``hold_blocks`` keeps its blocks after it finishes until ``release``."""
+        """Queue a request. ``hold_blocks`` keeps its blocks after it finishes until ``release``.
+
+        ``kv_destination`` = (another pool's layers, that pool's whole block table for this prompt): positions
+        ``num_dest_cached_tokens..`` of the prompt (that pool holds the rest; a multiple of the block size) end
+        up there. Positions this engine computes are stored there as they are computed; those it found in its
+        own prefix cache are copied block by block from its pool when the request is admitted.
+        """
         seq = self._new_sequence(prompt, params, request_id)
+        bs = self.config.block_size
+        if num_dest_cached_tokens and (
+            kv_destination is None or num_dest_cached_tokens % bs or not 0 < num_dest_cached_tokens < seq.num_tokens
+        ):
+            raise ValueError(
+                f"num_dest_cached_tokens={num_dest_cached_tokens} needs a kv_destination and must be a multiple "
+                f"of the block size ({bs}) below the prompt's {seq.num_tokens} tokens"
+            )
         seq.kv_destination = kv_destination
+        seq.num_dest_cached_tokens = num_dest_cached_tokens
         seq.hold_blocks = hold_blocks
         self._sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
@@ -142,28 +167,36 @@ class LLMEngine:
 
     # -- KV computed elsewhere (the decode worker's side of disaggregated prefill) ------------------------
 
-    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Allocate blocks for a prompt another worker will prefill; None when the pool cannot hold it now."""
+    def reserve(self, request_id: str, prompt_token_ids: list[int]) -> tuple[list[int], int] | None:
+        """Allocate blocks for a prompt another worker will prefill: (block table, num_cached_tokens), or None
+        when the pool cannot hold it now. The table starts with this engine's cached blocks for the longest
+        cached prefix (at least one token is left to compute): the prefiller must fill positions
+        ``num_cached_tokens..`` only. The other blocks stay unfindable until ``add_prefilled``."""
         if self.block_manager.has(request_id):
             raise ValueError(f"request id {request_id!r} already holds blocks")
-        if not self.block_manager.allocate(request_id, num_tokens):
+        cached = self.block_manager.match_prefix(prompt_token_ids)
+        if not self.block_manager.allocate(request_id, len(prompt_token_ids), cached):
             return None
-        return self.block_manager.block_table(request_id)
+        return self.block_manager.block_table(request_id), self.block_manager.num_cached_tokens(request_id)
 
     def release(self, request_id: str) -> None:
-        """Free blocks held for ``request_id`` (a reservation, or a finished ``hold_blocks`` request)."""
+        """Free blocks held for ``request_id`` (a reservation, or a finished ``hold_blocks`` request). A
+        reservation released unfilled makes nothing findable: its KV may be garbage."""
         if request_id not in self._sequences:
             self.block_manager.free(request_id)
 
     def add_prefilled(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token: int
     ) -> RequestOutput:
-        """Start decoding a request whose prompt KV was written into its reserved blocks elsewhere."""
+        """Start decoding a request whose prompt KV was written into its reserved blocks elsewhere; its full
+        blocks become findable in the prefix cache."""
         if not self.block_manager.has(request_id):
             raise ValueError(f"request {request_id!r} has no reserved blocks")
         seq = self._new_sequence(prompt_token_ids, params, request_id, reserved=True)
         seq.block_table = self.block_manager.block_table(request_id)
         seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_cached_tokens = self.block_manager.num_cached_tokens(request_id)
+        self.block_manager.cache_full_blocks(request_id, seq.token_ids, seq.num_computed_tokens)
         if seq.generator is not None:
             skip_draw(params, seq.generator, self.model_config.vocab_size, self.runner.device)
         self._sequences[request_id] = seq
@@ -181,6 +214,17 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # -- prefix cache events (for the cluster's prefix index) ---------------------------------------------
+
+    def take_prefix_events(self) -> tuple[list[str], list[str]]:
+        """(block hashes stored, block hashes evicted) since the last call: the net change, so a hash appears in
+        at most one list (one stored and evicted again in between appears in neither)."""
+        return self.block_manager.take_events()
+
+    def cached_block_hashes(self) -> list[str]:
+        """Every block hash this engine can serve from its prefix cache now (for a full resync)."""
+        return self.block_manager.cached_block_hashes()
+
     # -- the loop -----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -189,15 +233,28 @@ class LLMEngine:
         if not batch.seqs:
             return []
         try:
+            for seq in batch.admitted:
+                if seq.kv_destination is not None:
+                    self._copy_cached_to_destination(seq)
             tokens = self.runner.execute(batch)
         except Exception as err:
             raise StepError([seq.seq_id for seq in batch.seqs], err) from err
         outputs = []
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens, strict=True):
             seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if token is not None:
                 outputs.append(self._append_token(seq, token))
         return outputs
+
+    def _copy_cached_to_destination(self, seq: Sequence) -> None:
+        """Copy the blocks of positions ``num_dest_cached_tokens..num_computed_tokens`` (the prefix this engine
+        had cached and will not compute, so not mirror) from this pool into ``kv_destination``."""
+        layers, dst_blocks = seq.kv_destination
+        bs = self.config.block_size
+        first, end = seq.num_dest_cached_tokens // bs, seq.num_computed_tokens // bs
+        if end > first:
+            copy_blocks(self.runner.kv_cache.layers, seq.block_table[first:end], layers, dst_blocks[first:end])
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         seq.token_ids.append(token)
@@ -243,4 +300,5 @@ class LLMEngine:
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             num_preemptions=seq.num_preemptions,
+            num_cached_tokens=seq.num_cached_tokens,
         )

@@ -112,15 +112,21 @@ class ModelRunner:
         )
 
     def _mirrors(self, batch: ScheduledBatch) -> list[KVMirror]:
-        """One mirror per destination pool in the batch, mapping each token to its destination slot (or -1)."""
+        """One mirror per destination pool in the batch, mapping each token to its destination slot (or -1).
+
+        Positions below a sequence's ``num_dest_cached_tokens`` map to -1: the destination already holds them,
+        in blocks other sequences there may be reading.
+        """
         by_pool: dict[int, tuple[list, list[int]]] = {}
         offset = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.kv_destination is not None:
                 layers, dst_blocks = seq.kv_destination
                 _, slots = by_pool.setdefault(id(layers), (layers, [-1] * batch.num_tokens))
-                start = seq.num_computed_tokens
-                slots[offset : offset + n] = token_slots(dst_blocks, start, start + n, self.block_size)
+                first, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+                start = max(first, seq.num_dest_cached_tokens)
+                if end > start:
+                    slots[offset + start - first : offset + n] = token_slots(dst_blocks, start, end, self.block_size)
             offset += n
         return [
             KVMirror(layers, torch.tensor(slots, device=self.device, dtype=torch.int64))

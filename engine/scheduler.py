@@ -7,25 +7,30 @@ prefill). When the pool has no block for a running sequence, the most recently
 admitted one is preempted: its blocks are freed and it goes back to the front
 of the waiting queue, to be recomputed later. Waiting sequences are admitted
 in arrival order while budget, sequence slots and blocks last, and not at all
-in a step that had to preempt.
+in a step that had to preempt. An admitted sequence first takes the longest
+cached prefix the block manager has for its tokens (prefix caching): those
+tokens count as computed and cost no budget, and the chunked-prefill path
+computes the rest over them.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.sequence import Sequence, SequenceStatus
-from kvstore import BlockManager
+from kvstore import Block, BlockManager
 
 
 @dataclass
 class ScheduledBatch:
-    """Decodes (one new token) first, then prefill chunks."""
+    """Decodes (one new token) first, then prefill chunks. ``admitted``: the sequences that left the waiting
+    queue this step (their cached prefix, ``num_computed_tokens`` of them, was just matched)."""
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
     num_decodes: int
+    admitted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -55,12 +60,13 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         picked: list[tuple[Sequence, int]] = []
+        admitted: list[Sequence] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self._allocate(seq, n):
+            while not self._allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -72,21 +78,27 @@ class Scheduler:
                 i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._allocate(seq, n):
+            cached = self.block_manager.match_prefix(seq.token_ids)
+            num_cached = len(cached) * self.block_manager.block_size
+            n = min(seq.num_tokens - num_cached, budget)
+            if not self._allocate(seq, num_cached + n, cached):
                 break
             self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            admitted.append(seq)
             picked.append((seq, n))
             budget -= n
         decodes = [(s, n) for s, n in picked if n == 1]
         prefills = [(s, n) for s, n in picked if n != 1]
         ordered = decodes + prefills
-        return ScheduledBatch([s for s, _ in ordered], [n for _, n in ordered], len(decodes))
+        return ScheduledBatch([s for s, _ in ordered], [n for _, n in ordered], len(decodes), admitted)
 
-    def _allocate(self, seq: Sequence, n: int) -> bool:
-        if not self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + n):
+    def _allocate(self, seq: Sequence, num_tokens: int, cached: list[Block] | None = None) -> bool:
+        if not self.block_manager.allocate(seq.seq_id, num_tokens, cached or ()):
             return False
         seq.block_table = self.block_manager.block_table(seq.seq_id)
         return True

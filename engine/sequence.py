@@ -22,9 +22,11 @@ class Sequence:
     """Token ids (prompt then output) and how many of them already have KV in the pool.
 
     Invariant: ``num_computed_tokens <= num_tokens``; a running sequence holds
-    blocks for at least its first ``num_computed_tokens`` tokens. Preemption
-    resets ``num_computed_tokens`` to 0 and keeps the tokens, so the sequence
-    is recomputed from its prompt and the output it already has.
+    blocks for at least its first ``num_computed_tokens`` tokens. Admission
+    starts ``num_computed_tokens`` at the length of the cached prefix it found
+    (a multiple of the block size, less than ``num_tokens``). Preemption resets
+    it to 0 and keeps the tokens, so the sequence is recomputed (from whatever
+    is still cached) from its prompt and the output it already has.
     """
 
     seq_id: str
@@ -39,10 +41,12 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_emitted_chars: int = 0
-    # Prefill for another worker: every token's K/V is also stored into ``kv_destination`` = (that worker's
-    # pool layers, its block ids for this sequence); ``hold_blocks`` keeps our own blocks after finishing
-    # until the caller releases them (to stream them out).
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
+    # Prefill for another worker: positions from ``num_dest_cached_tokens`` on (that worker already holds the
+    # rest) must end up in ``kv_destination`` = (that worker's pool layers, its whole block table for this
+    # sequence); ``hold_blocks`` keeps our own blocks after finishing until the caller releases them.
     kv_destination: tuple[list, list[int]] | None = None
+    num_dest_cached_tokens: int = 0
     hold_blocks: bool = False
 
     def __post_init__(self) -> None:

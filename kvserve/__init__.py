@@ -1,1 +1,6 @@
-"""What users touch: the ``kvserve`` command line, benchmarks and (soon) the client library."""
+"""What users touch: the ``kvserve`` command line, the client library (``Client``, ``AsyncClient``), the local
+cluster launcher and the benchmarks (``kvserve.bench``)."""
+
+from kvserve.client import AsyncClient, Client
+
+__all__ = ["AsyncClient", "Client"]

@@ -75,7 +75,8 @@ def _up(args: argparse.Namespace) -> None:
         signal.signal(sig, interrupt)
     try:
         cluster = start_cluster(num_prefill=args.prefill, num_decode=args.decode, port=args.port,
-                                redis_url=args.redis_url, engine_argv=engine_args_to_argv(args), security=security,
+                                http_port=args.http_port, redis_url=args.redis_url,
+                                engine_argv=engine_args_to_argv(args), security=security,
                                 security_argv=security_argv, threads=args.threads,
                                 drain_timeout_s=args.drain_timeout, log_dir=args.log_dir)  # fmt: skip
     except KeyboardInterrupt:
@@ -88,6 +89,8 @@ def _up(args: argparse.Namespace) -> None:
         print("\n".join(cluster.lines()), flush=True)
         redis = "embedded" if cluster.redis is not None else cluster.redis_url
         print(f"kvserve: serving kvserve.v1.Inference on {cluster.endpoint} (Redis: {redis}); Ctrl-C stops", flush=True)
+        if cluster.http_endpoint:
+            print(f"kvserve: OpenAI-compatible API on {cluster.http_endpoint}/v1", flush=True)
         Supervisor(cluster).run(stop)
     finally:
         cluster.stop()
@@ -124,10 +127,12 @@ def _generate(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in ("offline", "serve", "transfer", "cuda_ipc"):
+    from kvserve.bench import BENCHES
+
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHES:
         import importlib
 
-        importlib.import_module(f"kvserve.bench_{argv[1]}").main(argv[2:])
+        importlib.import_module(f"kvserve.bench.{argv[1]}").main(argv[2:])
         return
     parser = argparse.ArgumentParser(prog="kvserve", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,11 +151,12 @@ def main(argv: list[str] | None = None) -> None:
     rand.add_argument("--seed", type=int, default=0)
     rand.set_defaults(func=_model_random)
 
-    demo = sub.add_parser("demo", help="answer a few chat prompts with the offline engine")
+    demo = sub.add_parser("demo", help="start a local 1 prefill + 1 decode cluster, stream three chat answers at once "
+                                       "with their TTFT, TPOT and KV path, then stop it")  # fmt: skip
     demo.add_argument("--model", default="default")
     demo.set_defaults(func=_demo)
 
-    sub.add_parser("bench", help="benchmarks: 'kvserve bench offline|serve|transfer|cuda_ipc --help'")
+    sub.add_parser("bench", help=f"benchmarks: 'kvserve bench {'|'.join(BENCHES)} --help'")
 
     from rpc.auth import add_security_args
     from rpc.flags import add_engine_args
@@ -159,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     up.add_argument("--decode", type=int, default=1, help="number of decode workers")
     up.add_argument("--port", type=int, default=50051, help="the router's port (workers use the next ports)")
+    up.add_argument("--http-port", type=int, default=8000, help="the router's OpenAI-compatible HTTP API; 0: none")
     up.add_argument("--redis-url", default=None, help="an existing Redis; default: start an embedded one")
     up.add_argument("--threads", type=int, default=None,
                     help="torch threads per compute worker (default: host cores / compute workers)")  # fmt: skip
@@ -182,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parser.parse_args(argv)
     if args.command == "bench":
-        parser.error("use 'kvserve bench offline|serve|transfer|cuda_ipc [options]'")
+        parser.error(f"use 'kvserve bench {'|'.join(BENCHES)} [options]'")
     import grpc
 
     try:

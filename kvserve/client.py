@@ -14,8 +14,9 @@ import grpc
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+from rpc.requests import Prompt, build_request
 
-Prompt = str | list[int] | list[dict[str, str]]
+__all__ = ["AsyncClient", "Chunk", "Client", "Prompt", "Result", "build_request"]
 
 
 @dataclass
@@ -42,40 +43,6 @@ class Result:
     transfer_backend: str = ""
     decode_worker: str = ""
     prefill_worker: str = ""
-
-
-def build_request(
-    prompt: Prompt,
-    *,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: list[str] | str | None = None,
-    stop_token_ids: list[int] | None = None,
-    ignore_eos: bool = False,
-    repetition_penalty: float | None = None,
-    request_id: str = "",
-) -> pb.GenerateRequest:
-    sampling = pb.SamplingOptions(
-        stop=[stop] if isinstance(stop, str) else list(stop or []),
-        stop_token_ids=list(stop_token_ids or []),
-        ignore_eos=ignore_eos,
-    )
-    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
-                        ("top_k", top_k), ("seed", seed), ("repetition_penalty", repetition_penalty)):  # fmt: skip
-        if value is not None:
-            setattr(sampling, name, value)
-    request = pb.GenerateRequest(request_id=request_id, sampling=sampling)
-    if isinstance(prompt, str):
-        request.text = prompt
-    elif prompt and isinstance(prompt[0], dict):
-        request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
-    else:
-        request.token_ids.ids.extend(prompt)
-        request.token_ids.SetInParent()  # an empty list is still "token_ids", so the server can say it is empty
-    return request
 
 
 def _chunk(msg: pb.GenerateResponse) -> Chunk:

@@ -1,7 +1,8 @@
 """``kvserve up``: a whole local cluster (embedded Redis, prefill and decode workers, router) as processes.
 
-Ports: the router listens on ``port``, decode worker *i* on ``port + 10 + i``, prefill worker *i* on
-``port + 30 + i``. Every child gets, through its environment (never its command line, which ``ps`` shows):
+Ports: the router listens on ``port`` (gRPC) and ``http_port`` (the OpenAI-compatible API; 0: none), decode
+worker *i* on ``port + 10 + i``, prefill worker *i* on ``port + 30 + i``. Every child gets, through its
+environment (never its command line, which ``ps`` shows):
 
 * ``KVSERVE_CLUSTER_TOKEN``: the cluster token (one is generated when none is given), unless the cluster
   runs with ``--insecure-internal``;
@@ -49,8 +50,8 @@ class Child:
     line (and so the same port and worker id); ``proc`` is always the latest process started."""
 
     def __init__(self, name: str, role: str, address: str, argv: list[str], env: dict[str, str],
-                 security: Security, log_path: Path | None) -> None:  # fmt: skip
-        self.name, self.role, self.address = name, role, address
+                 security: Security, log_path: Path | None, metrics_url: str = "-") -> None:  # fmt: skip
+        self.name, self.role, self.address, self.metrics_url = name, role, address, metrics_url
         self._argv, self._env, self._security, self._log_path = argv, env, security, log_path
         self.proc: subprocess.Popen | None = None
 
@@ -85,8 +86,8 @@ class Child:
             self.proc.kill()
 
     def line(self) -> str:
-        """``<name> <role> grpc=HOST:PORT metrics=URL`` (no metrics endpoint yet: ``-``)."""
-        return f"{self.name} {self.role} grpc={self.address} metrics=-"
+        """``<name> <role> grpc=HOST:PORT metrics=URL`` (``-``: none)."""
+        return f"{self.name} {self.role} grpc={self.address} metrics={self.metrics_url}"
 
 
 class RedisChild:
@@ -130,6 +131,7 @@ class Cluster:
     stop_timeout_s: float
     children: list[Child] = field(default_factory=list)
     redis: EmbeddedRedis | None = None
+    http_endpoint: str | None = None  # the router's OpenAI-compatible API, "http(s)://HOST:PORT"
 
     def child(self, name: str) -> Child:
         [found] = [c for c in self.children if c.name == name]
@@ -205,6 +207,7 @@ def start_cluster(
     num_prefill: int = 1,
     num_decode: int = 1,
     port: int = 50051,
+    http_port: int = 0,
     host: str = "127.0.0.1",
     redis_url: str | None = None,
     engine_argv: list[str] | None = None,
@@ -231,14 +234,18 @@ def start_cluster(
     security_argv = security_argv or []
     decode_ports = [port + 10 + i for i in range(num_decode)]
     prefill_ports = [port + 30 + i for i in range(num_prefill)]
-    check_ports_free(host, [port, *decode_ports, *prefill_ports])
+    metrics_offset = 1000  # a worker's /metrics port: its gRPC port + 1000
+    check_ports_free(host, [port, *([http_port] if http_port else []), *decode_ports, *prefill_ports,
+                            *(p + metrics_offset for p in decode_ports + prefill_ports)])  # fmt: skip
     remove_stale_dirs()
     shm_dir = cluster_shm_dir(port)
     remove_stale_pools(shm_dir)
     embedded = EmbeddedRedis() if redis_url is None else None
     url = embedded.url if embedded is not None else redis_url
     cluster = Cluster(endpoint=f"{host}:{port}", redis_url=url, shm_dir=shm_dir, security=security,
-                      stop_timeout_s=drain_timeout_s + 5.0, redis=embedded)  # fmt: skip
+                      stop_timeout_s=drain_timeout_s + 5.0, redis=embedded,
+                      http_endpoint=f"{'https' if '--tls-cert' in security_argv else 'http'}://{host}:{http_port}"
+                      if http_port else None)  # fmt: skip
     env = _child_env(shm_dir, security)
     worker_argv = ["--threads", str(threads_per_worker(num_prefill + num_decode, threads)),
                    "--drain-timeout", str(drain_timeout_s), *security_argv, *engine_argv]  # fmt: skip
@@ -247,12 +254,16 @@ def start_cluster(
               for i, p in enumerate(prefill_ports)]  # fmt: skip
     try:
         for name, role, child_port, extra in specs:
+            metrics_port = child_port + metrics_offset
             argv = [sys.executable, "-m", f"{role}_service", "--host", host, "--port", str(child_port),
-                    "--worker-id", name, "--redis-url", url, *extra]  # fmt: skip
-            cluster.children.append(_child(name, role, f"{host}:{child_port}", argv, env, security, log_dir))
+                    "--worker-id", name, "--redis-url", url, "--metrics-port", str(metrics_port), *extra]  # fmt: skip
+            cluster.children.append(_child(name, role, f"{host}:{child_port}", argv, env, security, log_dir,
+                                           f"http://{host}:{metrics_port}/metrics"))  # fmt: skip
         router_argv = [sys.executable, "-m", "router", "--host", host, "--port", str(port), "--redis-url", url,
-                       "--model", model, *security_argv]  # fmt: skip
-        cluster.children.append(_child("router", "router", cluster.endpoint, router_argv, env, security, log_dir))
+                       "--http-port", str(http_port), "--model", model, *security_argv]  # fmt: skip
+        router_metrics = f"{cluster.http_endpoint}/metrics" if cluster.http_endpoint else "-"
+        cluster.children.append(_child("router", "router", cluster.endpoint, router_argv, env, security, log_dir,
+                                       router_metrics))  # fmt: skip
         deadline = time.monotonic() + startup_timeout_s
         for child in cluster.children:
             while not child.answers(timeout_s=1.0):
@@ -282,7 +293,8 @@ def _wait_registered(url: str, security: Security, worker_ids: set[str], deadlin
 
 
 def _child(name: str, role: str, address: str, argv: list[str], env: dict[str, str], security: Security,
-           log_dir: str | Path | None) -> Child:  # fmt: skip
-    child = Child(name, role, address, argv, env, security, Path(log_dir) / f"{name}.log" if log_dir else None)
+           log_dir: str | Path | None, metrics_url: str = "-") -> Child:  # fmt: skip
+    log_path = Path(log_dir) / f"{name}.log" if log_dir else None
+    child = Child(name, role, address, argv, env, security, log_path, metrics_url)
     child.start()
     return child

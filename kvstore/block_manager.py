@@ -1,8 +1,12 @@
-"""Which sequence holds which blocks of the KV pool."""
+"""Which sequence holds which blocks of the KV pool, and which of them it found in the prefix cache."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 from kvstore.block_pool import Block, BlockPool
+from kvstore.prefix_hash import block_hashes
 
 
 def token_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -15,22 +19,43 @@ def token_slots(block_table: list[int], start: int, end: int, block_size: int) -
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
-class BlockManager:
-    """Maps each sequence id to the ordered list of blocks holding its KV.
+@dataclass
+class _Holding:
+    """One sequence's blocks, and the prefix-cache chain of its leading full blocks.
 
-    Token ``i`` of a sequence lives in block ``table[i // block_size]`` at
-    offset ``i % block_size`` (``token_slots`` turns that into pool slots).
-    Allocation is all-or-nothing: a call that cannot be satisfied changes
-    nothing. Freeing releases a sequence's blocks in reverse order, so its
-    tail blocks are reused first.
+    ``hashes[i]`` and ``content_ids[i]`` name the prefix through block ``i`` for every block ``i`` already
+    cached (``content_ids[i]`` may name an equal block another sequence computed first); they grow together.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    blocks: list[Block] = field(default_factory=list)
+    hashes: list[str] = field(default_factory=list)
+    content_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class BlockManager:
+    """Maps each sequence id to the ordered list of blocks holding its KV, sharing cached prefix blocks.
+
+    Token ``i`` of a sequence lives in block ``table[i // block_size]`` at offset ``i % block_size``
+    (``token_slots`` turns that into pool slots). Allocation is all-or-nothing: a call that cannot be
+    satisfied changes nothing. Freeing releases one reference to each of a sequence's blocks in reverse
+    order, so its tail blocks are reused (evicted) first; a block another sequence shares stays.
+
+    With ``enable_caching``, ``match_prefix`` finds the longest run of cached full blocks a token sequence
+    starts with, ``allocate(..., cached=...)`` makes them a new sequence's first blocks, and
+    ``cache_full_blocks`` makes a sequence's blocks findable once their KV is computed. Blocks that are
+    allocated but not yet filled are never findable. ``salt`` goes into every hash (the KV layout's
+    fingerprint). Without caching nothing is hashed or matched.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = False, salt: str = "") -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.salt = salt
         self.pool = BlockPool(num_blocks)
-        self._tables: dict[str, list[Block]] = {}
+        self._holdings: dict[str, _Holding] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -43,35 +68,100 @@ class BlockManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def num_new_blocks_needed(self, seq_id: str, num_tokens: int) -> int:
-        """Blocks to add so that ``seq_id`` has slots for its first ``num_tokens`` tokens."""
-        have = len(self._tables.get(seq_id, ()))
-        return max(0, self.num_blocks_for(num_tokens) - have)
+    # -- the prefix cache -----------------------------------------------------------------------------------
 
-    def can_allocate(self, seq_id: str, num_tokens: int) -> bool:
-        return self.num_new_blocks_needed(seq_id, num_tokens) <= self.pool.num_free_blocks
+    def match_prefix(self, token_ids: Sequence[int]) -> list[Block]:
+        """The cached blocks of the longest cached run of full blocks ``token_ids`` starts with, leaving at
+        least one token uncovered (its logits are needed). Changes nothing; [] without caching."""
+        if not self.enable_caching:
+            return []
+        bs = self.block_size
+        hits: list[Block] = []
+        parent_hash, parent_id = "", 0
+        for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
+            tokens = tuple(token_ids[start : start + bs])
+            [parent_hash] = block_hashes(tokens, bs, self.salt, parent_hash)
+            block = self.pool.lookup(parent_hash, tokens, parent_id)
+            if block is None:
+                break
+            hits.append(block)
+            parent_id = block.content_id
+        return hits
 
-    def allocate(self, seq_id: str, num_tokens: int) -> bool:
-        """Grow ``seq_id``'s table to cover ``num_tokens`` tokens; False (and no change) if blocks run out."""
-        needed = self.num_new_blocks_needed(seq_id, num_tokens)
-        if needed > self.pool.num_free_blocks:
+    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Make ``seq_id``'s blocks that are full within its first ``num_tokens`` tokens (whose KV is
+        computed) findable; ``token_ids`` are the sequence's tokens. A no-op without caching."""
+        holding = self._holdings.get(seq_id)
+        if not self.enable_caching or holding is None:
+            return
+        bs = self.block_size
+        for i in range(len(holding.content_ids), num_tokens // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            [block_hash] = block_hashes(tokens, bs, self.salt, holding.hashes[-1] if i else "")
+            parent_id = holding.content_ids[-1] if i else 0
+            holding.content_ids.append(self.pool.cache(holding.blocks[i], block_hash, tokens, parent_id))
+            holding.hashes.append(block_hash)
+
+    def num_cached_tokens(self, seq_id: str) -> int:
+        """Tokens of ``seq_id``'s KV that came from the prefix cache when its blocks were first allocated."""
+        holding = self._holdings.get(seq_id)
+        return 0 if holding is None else holding.num_cached_tokens
+
+    def cached_block_hashes(self) -> list[str]:
+        return list(self.pool.cached)
+
+    def take_events(self) -> tuple[list[str], list[str]]:
+        """(hashes stored, hashes evicted) since the last call, netted (see ``BlockPool``)."""
+        return self.pool.take_events()
+
+    # -- allocation -----------------------------------------------------------------------------------------
+
+    def num_new_blocks_needed(self, seq_id: str, num_tokens: int, cached: Sequence[Block] = ()) -> int:
+        """Free blocks ``allocate(seq_id, num_tokens, cached)`` would take off the free list."""
+        have = len(self._holdings[seq_id].blocks) if seq_id in self._holdings else len(cached)
+        revived = sum(1 for b in cached if b.ref_count == 0)  # cached blocks nobody uses sit in the free list
+        return max(0, self.num_blocks_for(num_tokens) - have) + revived
+
+    def can_allocate(self, seq_id: str, num_tokens: int, cached: Sequence[Block] = ()) -> bool:
+        return self.num_new_blocks_needed(seq_id, num_tokens, cached) <= self.pool.num_free_blocks
+
+    def allocate(self, seq_id: str, num_tokens: int, cached: Sequence[Block] = ()) -> bool:
+        """Grow ``seq_id``'s table to cover ``num_tokens`` tokens; False (and no change) if blocks run out.
+
+        ``cached`` (from ``match_prefix``, for a sequence that holds no blocks yet) become its first blocks,
+        shared with whoever else uses them; their tokens count as computed.
+        """
+        if cached and seq_id in self._holdings:
+            raise ValueError(f"{seq_id!r} already holds blocks; a cached prefix is only for a new sequence")
+        if not self.can_allocate(seq_id, num_tokens, cached):
             return False
-        self._tables.setdefault(seq_id, []).extend(self.pool.get_free_blocks(needed))
+        if seq_id not in self._holdings:
+            self.pool.touch(cached)
+            self._holdings[seq_id] = _Holding(
+                blocks=list(cached),
+                hashes=[b.block_hash for b in cached],
+                content_ids=[b.content_id for b in cached],
+                num_cached_tokens=len(cached) * self.block_size,
+            )
+        holding = self._holdings[seq_id]
+        holding.blocks.extend(self.pool.get_free_blocks(max(0, self.num_blocks_for(num_tokens) - len(holding.blocks))))
         return True
 
     def block_table(self, seq_id: str) -> list[int]:
-        return [b.block_id for b in self._tables.get(seq_id, ())]
+        holding = self._holdings.get(seq_id)
+        return [] if holding is None else [b.block_id for b in holding.blocks]
 
     def has(self, seq_id: str) -> bool:
-        return seq_id in self._tables
+        return seq_id in self._holdings
 
     def free(self, seq_id: str) -> None:
-        """Release every block of ``seq_id`` (a no-op for an unknown id)."""
-        blocks = self._tables.pop(seq_id, [])
-        self.pool.release(list(reversed(blocks)))
+        """Release ``seq_id``'s blocks, tail first (a no-op for an unknown id); cached ones stay findable."""
+        holding = self._holdings.pop(seq_id, None)
+        if holding is not None:
+            self.pool.release(reversed(holding.blocks))
 
     def rename(self, seq_id: str, new_id: str) -> None:
         """Move ``seq_id``'s blocks to ``new_id`` (e.g. to quarantine blocks a late writer may still touch)."""
-        if new_id in self._tables:
+        if new_id in self._holdings:
             raise ValueError(f"{new_id!r} already holds blocks")
-        self._tables[new_id] = self._tables.pop(seq_id)
+        self._holdings[new_id] = self._holdings.pop(seq_id)

@@ -124,3 +124,17 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
+
+
+def copy_blocks(src: list[LayerKV], src_blocks: list[int], dst: list[LayerKV], dst_blocks: list[int]) -> None:
+    """Copy whole blocks (every layer's K, V and INT8 scales) from one pool's views into another's of the same
+    layout: block ``src_blocks[i]`` of ``src`` becomes block ``dst_blocks[i]`` of ``dst``."""
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"copying {len(src_blocks)} blocks into {len(dst_blocks)}")
+    src_index = torch.tensor(src_blocks, device=src[0].k_cache.device)
+    dst_index = torch.tensor(dst_blocks, device=dst[0].k_cache.device)
+    for s, d in zip(src, dst, strict=True):
+        for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
+            source, target = getattr(s, name), getattr(d, name)
+            if source is not None:
+                target.index_copy_(0, dst_index, source.index_select(0, src_index).to(target.device))

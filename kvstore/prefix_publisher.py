@@ -1,10 +1,11 @@
 """A worker's side of the Redis prefix index: its engine's block events, applied from a thread of their own.
 
-The engine loop only hands events over (``publish``: a list append under a lock); a daemon thread takes
-whatever piled up every ``interval_s`` and applies it in one pipelined round trip, the last event per hash
-winning. A full ``resync`` (at start, after a worker restart with the same id, when Redis lost everything)
-first purges every entry naming this worker, then publishes the set the engine holds now. Redis being down
-costs the events of the outage, which the next resync restores.
+The engine loop only hands events over (``publish``, a dict update under a lock, with the events
+``LLMEngine.take_prefix_events`` netted since the last iteration); a daemon thread takes whatever piled up
+every ``interval_s`` and applies it in one pipelined round trip, the last event per hash winning. A full
+``resync`` (at start, so a worker restarted under the same id drops what its predecessor left; and when
+Redis lost everything) first purges every entry naming this worker, then publishes the set the engine
+holds now. Redis being down costs the events of the outage, which the next resync restores.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ log = logging.getLogger(__name__)
 class PrefixPublisher:
     def __init__(self, index: PrefixIndex, worker_id: str, held_now: Callable[[], list[str]],
                  interval_s: float = 0.05) -> None:  # fmt: skip
-        """``held_now()`` returns every block hash the worker holds (called on the publisher thread)."""
+        """``held_now()`` returns every block hash the worker holds (``LLMEngine.cached_block_hashes``); it is
+        called on the publisher thread, so it must copy atomically (``list(dict)`` of str keys does)."""
         self.index = index
         self.worker_id = worker_id
         self.held_now = held_now
         self.interval_s = interval_s
-        self._pending: dict[str, bool] = {}  # hash -> held, in event order
+        self._pending: dict[str, bool] = {}  # hash -> held, last event last
         self._resync = True  # a worker starts by dropping whatever an earlier process of its id left behind
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -34,16 +36,14 @@ class PrefixPublisher:
         self._thread.start()
 
     def publish(self, stored: Iterable[str], evicted: Iterable[str]) -> None:
-        """Queue block events (from the engine loop; never blocks on Redis)."""
+        """Queue block events (from the engine loop: never waits on Redis)."""
         if not stored and not evicted:
             return
         with self._lock:
-            for block_hash in evicted:
-                self._pending.pop(block_hash, None)
-                self._pending[block_hash] = False
-            for block_hash in stored:
-                self._pending.pop(block_hash, None)
-                self._pending[block_hash] = True
+            for held, hashes in ((False, evicted), (True, stored)):
+                for block_hash in hashes:
+                    self._pending.pop(block_hash, None)
+                    self._pending[block_hash] = held
 
     def resync(self) -> None:
         """Republish the whole held set on the next round (e.g. Redis came back empty)."""

@@ -44,7 +44,7 @@ from kvstore.transfer import (
 from kvstore.workers import WorkerInfo, local_host_id
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from rpc import lease
+from rpc import lease, metrics
 from rpc.auth import Security
 from rpc.loop import Loop
 from rpc.validation import validate_sampling
@@ -59,6 +59,7 @@ class PrefillJob:
     params: SamplingParams
     destination: pb.KVDestination
     dest_pool: KVCache | None
+    dest_cached_tokens: int = 0  # leading prompt tokens the destination already holds: not written there
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # the caller gave up: never start it, or stop it at the next step
@@ -67,8 +68,9 @@ class PrefillJob:
 @dataclass
 class PrefillResult:
     first_token: int
-    chunks: list[bytes] | None  # grpc only: our blocks' bytes, as chunked() splits them
+    chunks: list[bytes] | None  # grpc only: the bytes of the blocks the destination lacks, as chunked() splits them
     prefill_ms: float
+    num_cached_tokens: int  # leading prompt tokens taken from our own prefix cache
 
 
 class PrefillWorker(pb_grpc.PrefillServicer):
@@ -110,12 +112,17 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             prompt = self.engine.validate(list(request.prompt_token_ids), params)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        num_blocks = self.engine.block_manager.num_blocks_for(len(prompt))
+        held, block_size = request.num_cached_tokens, self.engine.config.block_size  # what the destination has
+        if held % block_size or not 0 <= held < len(prompt):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"num_cached_tokens={held} must be whole blocks of {block_size} tokens, "
+                                f"fewer than the prompt's {len(prompt)}")  # fmt: skip
+        num_blocks = self.engine.block_manager.num_blocks_for(len(prompt)) - held // block_size  # to write
         if len(dest.block_ids) < num_blocks:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{len(dest.block_ids)} blocks cannot hold {len(prompt)} tokens")  # fmt: skip
+                                f"{len(dest.block_ids)} blocks cannot hold {len(prompt) - held} tokens")  # fmt: skip
         pool = await self._destination_pool(dest, context)
-        job = PrefillJob(request.request_id, prompt, params, dest, pool)
+        job = PrefillJob(request.request_id, prompt, params, dest, pool, held)
         self._jobs.put(job)
         try:
             result: PrefillResult = await asyncio.wrap_future(job.future)
@@ -136,6 +143,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                                     f"{dest.worker_id} failed: {err.code().name}: {err.details()}")  # fmt: skip
         return pb.PrefillResponse(
             first_token_id=result.first_token,
+            num_cached_tokens=result.num_cached_tokens,
             checksum=digest,
             num_tokens_written=len(prompt) - request.num_cached_tokens,
             backend=dest.backend,
@@ -233,27 +241,33 @@ class PrefillWorker(pb_grpc.PrefillServicer):
 
     def _run(self, batch: list[PrefillJob]) -> None:
         """Prefill ``batch`` together. Every job's future is settled, and its blocks released, on every path."""
-        engine = self.engine
+        engine, bs = self.engine, self.engine.config.block_size
         start = time.perf_counter()
         pending: dict[str, PrefillJob] = {}
         self._num_running = len(batch)
         self.batch_sizes.append(len(batch))
+        metrics.PREFILL_BATCH.observe(len(batch))
         for job in batch:
             if job.cancelled:  # its caller is gone: the destination blocks may already be someone else's
-                self.num_cancelled += 1
+                self._count_cancelled()
                 continue
             rid = f"prefill-{job.request_id}-{id(job)}"
             params = dataclasses.replace(job.params, max_tokens=1, stop=[], ignore_eos=True)
-            dest = None if job.dest_pool is None else (job.dest_pool.layers, list(job.destination.block_ids))
+            skip = job.dest_cached_tokens // bs
+            dest = None
+            if job.dest_pool is not None:  # the table from position 0; the blocks before ``skip`` are never
+                leased = list(job.destination.block_ids)  # written, so they name a leased block as a placeholder
+                dest = (job.dest_pool.layers, leased[:1] * skip + leased)
             try:
-                engine.add_request(job.prompt, params, rid, kv_destination=dest, hold_blocks=True)
+                engine.add_request(job.prompt, params, rid, kv_destination=dest, hold_blocks=True,
+                                   num_dest_cached_tokens=job.dest_cached_tokens if dest else 0)  # fmt: skip
                 pending[rid] = job
             except Exception as err:  # noqa: BLE001 - this job only
                 _settle(job, error=err)
         try:
             while pending:
                 for rid in [rid for rid, job in pending.items() if job.cancelled]:
-                    self.num_cancelled += 1
+                    self._count_cancelled()
                     self._drop(rid)
                     pending.pop(rid)
                 for out in engine.step():
@@ -261,14 +275,21 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                     if job is None:
                         continue
                     data = None
-                    if job.dest_pool is None:
-                        table = engine.block_manager.block_table(out.request_id)
+                    if job.dest_pool is None:  # grpc: the blocks the destination lacks, read out of ours
+                        table = engine.block_manager.block_table(out.request_id)[job.dest_cached_tokens // bs :]
                         data = [read_blocks(engine.runner.kv_cache, part) for part in chunked(table)]
                     engine.release(out.request_id)
-                    _settle(job, PrefillResult(out.token_ids[0], data, (time.perf_counter() - start) * 1e3))
+                    metrics.PREFIX_QUERIES.labels("prefill").inc(len(job.prompt))
+                    metrics.PREFIX_HITS.labels("prefill").inc(out.num_cached_tokens)
+                    _settle(job, PrefillResult(out.token_ids[0], data, (time.perf_counter() - start) * 1e3,
+                                               out.num_cached_tokens))  # fmt: skip
         finally:
             for rid in pending:
                 self._drop(rid)
+
+    def _count_cancelled(self) -> None:
+        self.num_cancelled += 1
+        metrics.REQUESTS.labels("prefill", "aborted").inc()
 
     def _drop(self, rid: str) -> None:
         self.engine.abort(rid)
@@ -283,4 +304,5 @@ def _settle(job: PrefillJob, result: PrefillResult | None = None, error: BaseExc
         else:
             job.future.set_result(result)
     except InvalidStateError:
-        pass
+        return
+    metrics.REQUESTS.labels("prefill", "failed" if error is not None else "finished").inc()

@@ -1,7 +1,9 @@
-"""``python -m router --port 50051 [--redis-url URL] [--decode-address HOST:PORT ...] [--model default]``
+"""``python -m router --port 50051 [--http-port 8000] [--redis-url URL] [--decode-address HOST:PORT ...]``
 
-Serves ``kvserve.v1.Inference``, health checking and reflection on one port (TLS with ``--tls-cert``). The
-router calls the decode workers' internal service, so it needs the cluster token like every member.
+Serves ``kvserve.v1.Inference``, health checking and reflection on one port, and the OpenAI-compatible HTTP
+API (``router.openai_api``) on ``--http-port`` (0: none), both on one event loop and both with TLS when
+``--tls-cert`` is given. The router calls the decode workers' internal service, so it needs the cluster
+token like every member.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from engine.bundled import resolve_model
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
 from kvstore.registry import Registry
+from router.openai_api import HttpServer, create_app
 from router.routing import RoutingWeights
 from router.server import Router
 from rpc.auth import Security, add_security_args, security_from_args
@@ -27,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m router", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP API's port; 0: none")
     parser.add_argument("--model", default="default")
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--decode-address", action="append", default=[], help="static decode workers (no Redis)")
@@ -55,26 +59,38 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(err))
     router = Router(Tokenizer(path), config.vocab_size, config.max_context, security, registry, args.decode_address,
                     weights=weights)  # fmt: skip
+    http = None
+    if args.http_port:
+        try:
+            http = HttpServer(create_app(router, path.name), args.host, args.http_port, args.tls_cert, args.tls_key,
+                              args.tls_ca)  # fmt: skip
+        except OSError as err:
+            parser.error(f"cannot listen on {args.host}:{args.http_port} for HTTP: {err.strerror}")
     try:
-        asyncio.run(serve(router, f"{args.host}:{args.port}", security, args.drain_timeout))
+        asyncio.run(serve(router, f"{args.host}:{args.port}", security, args.drain_timeout, http))
     finally:
         if registry is not None:
             registry.stop()
 
 
-async def serve(router: Router, address: str, security: Security, drain_timeout_s: float) -> None:
+async def serve(router: Router, address: str, security: Security, drain_timeout_s: float,
+                http: HttpServer | None = None) -> None:  # fmt: skip
     """Serve until SIGTERM or SIGINT, then stop taking calls and let open streams finish for a while."""
     server = new_server(security)
     names = [add_service(server, "Inference", router)]
     _, health = await start_server(server, names, address, security)
     log.info("serving kvserve.v1.Inference on %s", address)
+    if http is not None:
+        await http.start()
+        log.info("serving the OpenAI-compatible API on port %d (%s)", http.port, http.scheme)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("draining for up to %.0f s", drain_timeout_s)
     await set_not_serving(health, names)
-    await server.stop(grace=drain_timeout_s)
+    await asyncio.gather(server.stop(grace=drain_timeout_s),
+                         http.stop(drain_timeout_s) if http is not None else asyncio.sleep(0))  # fmt: skip
     await router.close()
 
 

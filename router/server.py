@@ -1,8 +1,11 @@
 """A request's life in the router (``grpc.aio``: one coroutine per stream, never a thread):
 
-1. ``Generate`` validates the request with ``rpc.validation`` on the router's one validation thread (it
+``Router.generate`` is the whole life as an async generator over a ``pb.GenerateRequest``; the gRPC
+``Generate`` and the OpenAI-compatible HTTP API (``router.openai_api``) both consume it, with no second hop.
+
+1. ``generate`` validates the request with ``rpc.validation`` on the router's one validation thread (it
    tokenizes, rendering chat messages with the model's chat template); anything wrong ends the call with
-   INVALID_ARGUMENT and a message saying what to change.
+   INVALID_ARGUMENT (HTTP 400) and a message saying what to change.
 2. It reads the live workers from the registry (off the event loop: a Redis outage must not stall the
    streams) or, without one, takes the static decode addresses; a worker is used only once a direct gRPC
    health check answered SERVING (``WorkerHealth``). It ranks the decode workers by load and names the
@@ -11,7 +14,8 @@
 3. It calls the first decode worker with the cluster token and relays its stream; the decode worker's
    text deltas come from an incremental detokenizer and never end inside a multi-byte character. A worker
    that fails before its first token is replaced by the next one (and, when it was UNAVAILABLE, skipped by
-   later requests for a few seconds); after the first token the error goes to the client. A client that
+   later requests for a few seconds); after the first token the error goes to the client. When every worker
+   tried was full the client gets RESOURCE_EXHAUSTED (HTTP 429), else UNAVAILABLE. A client that
    cancels cancels the decode call, which frees its blocks.
 """
 
@@ -24,6 +28,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 
 import grpc
 
@@ -35,6 +40,7 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from router.health import WorkerHealth
 from router.routing import RoutingWeights, choose
+from rpc import metrics
 from rpc.auth import Security
 from rpc.convert import sampling_to_proto
 from rpc.validation import validate_generate
@@ -45,6 +51,14 @@ log = logging.getLogger(__name__)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
               grpc.StatusCode.UNAUTHENTICATED}  # fmt: skip
 _SERVICES = {"decode": "kvserve.v1.Decode", "prefill": "kvserve.v1.Prefill"}
+
+
+class RouteError(Exception):
+    """Why a request could not be served: a gRPC status and a message for the client."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
 
 
 class Router(pb_grpc.InferenceServicer):
@@ -73,7 +87,6 @@ class Router(pb_grpc.InferenceServicer):
         self.static_decode = [WorkerInfo(worker_id=a, role="decode", address=a) for a in decode_addresses or []]
         self.max_attempts = max_attempts
         self.weights = weights or RoutingWeights()
-        self.decisions: Counter[str] = Counter()  # routing decisions by reason ("prefix", "load")
         self.health = WorkerHealth(self._channel)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._in_flight: Counter[str] = Counter()
@@ -81,20 +94,51 @@ class Router(pb_grpc.InferenceServicer):
         self._validator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-validate")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        """The gRPC face of ``generate``: its ``RouteError`` ends the call with that status and message."""
+        try:
+            async with aclosing(self.generate(request, _remaining(context))) as stream:
+                async for msg in stream:
+                    yield msg
+        except RouteError as err:
+            await context.abort(err.code, err.details)
+
+    async def generate(self, request: pb.GenerateRequest, timeout_s: float | None = None
+                       ) -> AsyncIterator[pb.GenerateResponse]:  # fmt: skip
+        """``_route``, counted in ``kvserve_router_requests_total`` by how it ended."""
+        status = "OK"
+        try:
+            async with aclosing(self._route(request, timeout_s)) as stream:
+                async for msg in stream:
+                    yield msg
+        except RouteError as err:
+            status = err.code.name
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "CANCELLED"
+            raise
+        finally:
+            metrics.ROUTER_REQUESTS.labels(status).inc()
+
+    async def _route(self, request: pb.GenerateRequest, timeout_s: float | None
+                     ) -> AsyncIterator[pb.GenerateResponse]:  # fmt: skip
+        """Validate, route and relay one public request: the decode worker's messages, the last with
+        ``finish_reason``. Every failure is a ``RouteError`` (nothing else escapes), raised before the first
+        message when it is the request's fault or no worker could start it. Closing or cancelling the iterator
+        cancels the decode call, which frees its blocks: both the gRPC servicer and the HTTP API consume it."""
         received = time.perf_counter()
         try:
             prompt, params = await asyncio.get_running_loop().run_in_executor(
                 self._validator, validate_generate, request, self.tokenizer, self.vocab_size, self.max_context
             )
         except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         decode, prefill = await asyncio.gather(self._live("decode"), self._live("prefill"))
         owners, num_blocks = await asyncio.to_thread(self._prefix_owners, prompt, decode)
         choice = choose(decode, prefill, owners, num_blocks, self._load, self.weights)  # claimed with no await
         targets = choice.decode[: self.max_attempts]
         if not targets:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is available; is the cluster up?")
-        self.decisions[choice.reason] += 1
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available; is the cluster up?")
+        metrics.ROUTING.labels(choice.reason).inc()
         errors = []
         with self._claim(choice.prefill) as prefill_slot:
             call_request = pb.DecodeRequest(request_id=request.request_id or uuid.uuid4().hex,
@@ -103,7 +147,7 @@ class Router(pb_grpc.InferenceServicer):
             for worker in targets:
                 with self._claim(worker.worker_id):
                     call = pb_grpc.DecodeStub(self._channel(worker.address)).Generate(
-                        call_request, timeout=_remaining(context), metadata=self.security.metadata()
+                        call_request, timeout=timeout_s, metadata=self.security.metadata()
                     )
                     sent = False
                     try:
@@ -117,15 +161,22 @@ class Router(pb_grpc.InferenceServicer):
                         return
                     except grpc.RpcError as err:
                         if sent or err.code() not in _RETRYABLE:
-                            await context.abort(err.code(), err.details() or "decode worker failed")
+                            raise RouteError(err.code(), err.details() or "decode worker failed") from None
                         if err.code() == grpc.StatusCode.UNAVAILABLE:
                             self.health.bench(worker)
-                        errors.append(f"{worker.worker_id}: {err.code().name} {err.details()}")
+                        errors.append((err.code(), f"{worker.worker_id}: {err.code().name} {err.details()}"))
                         log.warning("decode worker %s failed before its first token (%s); trying another",
                                     worker.worker_id, err.code().name)  # fmt: skip
                     finally:
                         call.cancel()  # a no-op once it ended; otherwise the client left, and its blocks are freed
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "every decode worker tried failed: " + "; ".join(errors))
+        # only when every worker tried was full is it the client's signal to slow down (HTTP 429)
+        full = all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _ in errors)
+        raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.UNAVAILABLE,
+                         "every decode worker tried failed: " + "; ".join(text for _, text in errors))  # fmt: skip
+
+    async def ready(self) -> bool:
+        """Whether a decode worker answers health checks now (the HTTP ``/health``)."""
+        return bool(await self._live("decode"))
 
     async def close(self) -> None:
         for channel in self._channels.values():

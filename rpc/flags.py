@@ -13,6 +13,15 @@ from rpc.auth import add_security_args
 
 log = logging.getLogger(__name__)
 
+
+def _boolean(text: str) -> bool:
+    """A flag value of ``true`` or ``false`` (any case; ``str(bool)`` round-trips)."""
+    value = {"true": True, "false": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
 _ENGINE_FLAGS = {
     "dtype": str,
     "device": str,
@@ -23,6 +32,7 @@ _ENGINE_FLAGS = {
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
     "max_model_len": int,
+    "enable_prefix_caching": _boolean,
 }
 
 
@@ -56,6 +66,8 @@ def add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--redis-url", default=None, help="registry (redis:// or rediss://, with password/user)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch compute threads (default: this host's cores / its compute workers)")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="HTTP port of this worker's Prometheus /metrics (0: any free port, logged)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds SIGTERM waits for running requests before ending them")
     add_security_args(parser)

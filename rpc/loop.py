@@ -27,6 +27,11 @@ class Loop:
         self._name = name
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._hooks: list[Callable[[], None]] = []
+
+    def add_hook(self, hook: Callable[[], None]) -> None:
+        """Also call ``hook()`` after every ``body()``, on the loop's thread (e.g. to hand off engine events)."""
+        self._hooks.append(hook)
 
     @property
     def stopped(self) -> bool:
@@ -35,6 +40,8 @@ class Loop:
     def run(self) -> None:
         while not self._stop.is_set():
             self._body()
+            for hook in self._hooks:
+                hook()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name=self._name, daemon=True)

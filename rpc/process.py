@@ -10,8 +10,11 @@ import signal
 import threading
 from typing import Protocol
 
+from engine import LLMEngine
+from kvstore.prefix_publisher import PrefixPublisher
 from kvstore.registry import Registry
 from kvstore.workers import WorkerInfo, local_host_id
+from rpc import metrics
 from rpc.auth import Security
 from rpc.flags import set_compute_threads
 from rpc.loop import AsyncioThread, Loop
@@ -22,6 +25,7 @@ log = logging.getLogger(__name__)
 
 class Worker(Protocol):
     loop: Loop
+    engine: LLMEngine
 
     def info(self) -> WorkerInfo: ...
     def load(self) -> dict[str, int]: ...
@@ -50,9 +54,22 @@ def serve(worker: Worker, services: dict[str, object], aio: AsyncioThread, secur
         return server, health, names
 
     server, health, names = aio.run(start())
+    info = worker.info()
+    metrics.export_state(info.role, worker.load, lambda: worker.engine.scheduler.num_preemptions)
+    metrics_port = metrics.start_metrics_server(args.host, args.metrics_port)
+    log.info("%s %s: metrics on http://%s:%d/metrics", info.role, info.worker_id, args.host, metrics_port)
+    publisher = None
     if registry is not None:
-        registry.register(worker.info())
-        registry.start_heartbeat(worker.load, on_resync=getattr(worker, "resync", None))
+        registry.register(info)
+        # the prefix index: the loop hands its engine's block events over, a thread of their own applies them
+        publisher = PrefixPublisher(registry.prefix_index, info.worker_id, worker.engine.cached_block_hashes)
+        worker.loop.add_hook(lambda: publisher.publish(*worker.engine.take_prefix_events()))
+
+        def resync() -> None:  # Redis lost our state: leases in flight (decode) and every cached block
+            getattr(worker, "resync", lambda: None)()
+            publisher.resync()
+
+        registry.start_heartbeat(worker.load, on_resync=resync)
 
     deregister = threading.Thread(target=registry.stop if registry else lambda: None, name="deregister")
 
@@ -71,6 +88,8 @@ def serve(worker: Worker, services: dict[str, object], aio: AsyncioThread, secur
     if deregister.ident is None:
         deregister.start()
     deregister.join(timeout=5)
+    if publisher is not None:
+        publisher.stop()
     for cleanup in cleanups:
         cleanup()
     aio.stop()

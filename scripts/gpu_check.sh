@@ -29,7 +29,7 @@ step() {  # step NAME SECONDS COMMAND...
 step kernels-bench 200 python3 -m kernels.bench --sweep
 step gpu-tests 200 python3 -m pytest -q -s -rs -m gpu -p no:cacheprovider tests/kernels tests/test_cuda_ipc.py \
     tests/test_engine_device.py
-step cuda-ipc 60 python3 -m kvserve.bench_cuda_ipc
+step cuda-ipc 60 python3 -m kvserve.bench.cuda_ipc
 step random-model 90 python3 -c 'from engine.random_model import write_random_model as w; w("/tmp/qwen2-0.5b", "qwen2-0.5b", device="cuda")'
-step offline 120 python3 -m kvserve.bench_offline --model /tmp/qwen2-0.5b --num-prompts 256 --min-len 16 \
+step offline 120 python3 -m kvserve.bench.offline --model /tmp/qwen2-0.5b --num-prompts 256 --min-len 16 \
     --max-len 1024 --max-tokens 128 --max-num-batched-tokens 8192

@@ -31,20 +31,22 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvserve.bench.loadgen import BenchRequest, LoadResult, run_load  # noqa: E402
 from kvserve.cluster import Cluster, start_cluster  # noqa: E402
-from kvserve.loadgen import LoadResult, run_load  # noqa: E402
 from kvserve.supervisor import RestartPolicy, Supervisor  # noqa: E402
 from kvstore.registry import Registry  # noqa: E402
 
 ENGINE_ARGV = ["--model", "default", "--num-blocks", "512", "--block-size", "16"]
-GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+GREEDY = {"temperature": 0, "ignore_eos": True}
+MAX_TOKENS = 8
 
 
 def free_base_port() -> int:
     for _ in range(100):
-        base = random.randrange(20000, 60000, 100)
+        base = random.randrange(20000, 59000, 100)
+        workers = [*range(base + 10, base + 12), *range(base + 30, base + 32)]
         try:
-            for port in [base, *range(base + 10, base + 12), *range(base + 30, base + 32)]:
+            for port in [base, *workers, *(p + 1000 for p in workers)]:
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", port))
             return base
@@ -53,10 +55,15 @@ def free_base_port() -> int:
     raise RuntimeError("no free port range")
 
 
-def prompts(n: int, distinct: int, seed: int = 0) -> list[list[int]]:
+def prompts(n: int, distinct: int, seed: int = 0) -> list[BenchRequest]:
     rng = random.Random(seed)
     pool = [[rng.randrange(100, 20000) for _ in range(rng.randrange(16, 96))] for _ in range(distinct)]
-    return [pool[i % distinct] for i in range(n)]
+    return [BenchRequest(pool[i % distinct], MAX_TOKENS) for i in range(n)]
+
+
+async def closed_loop(target: str, requests: list[BenchRequest], concurrency: int) -> LoadResult:
+    """``concurrency`` clients, each sending its next request as soon as its last one ended."""
+    return await run_load(target, requests, max_concurrency=concurrency, sampling=GREEDY)
 
 
 def up(log_dir: str, threads: int | None = None) -> Cluster:
@@ -87,12 +94,12 @@ def soak(args: argparse.Namespace, log_dir: str) -> int:
     cluster = up(log_dir)
     try:
         batch = prompts(args.requests, distinct=64)
-        result = asyncio.run(run_load(cluster.endpoint, batch, args.concurrency, **GREEDY))
+        result = asyncio.run(closed_loop(cluster.endpoint, batch, args.concurrency))
         print(result.summary())
         by_prompt: dict[tuple, set] = {}
         for prompt, record in zip(batch, result.records, strict=True):
             if record.status == "OK":
-                by_prompt.setdefault(tuple(prompt), set()).add(tuple(record.token_ids))
+                by_prompt.setdefault(tuple(prompt.prompt), set()).add(tuple(record.token_ids))
         differing = sum(len(outputs) > 1 for outputs in by_prompt.values())
         decode, leases = wait_idle(cluster)
         print(f"lost {len(result.records) - len(result.ok())}; prompts with differing outputs: {differing}")
@@ -112,7 +119,7 @@ def threads(args: argparse.Namespace, log_dir: str) -> int:
         for i in range(rounds):  # alternate, so that drift hits both sides alike
             for name, cluster in (("share", shared), ("all cores", greedy)):
                 batch = prompts(args.requests // rounds, distinct=32, seed=i)
-                results[name].append(asyncio.run(run_load(cluster.endpoint, batch, args.concurrency, **GREEDY)))
+                results[name].append(asyncio.run(closed_loop(cluster.endpoint, batch, args.concurrency)))
         p99 = {}
         for name, runs in results.items():
             merged = LoadResult([r for run in runs for r in run.records], sum(run.duration_s for run in runs))
@@ -138,7 +145,7 @@ def faults(args: argparse.Namespace, log_dir: str) -> int:
     def under_load(name: str, inject, recovered) -> None:
         result: list[LoadResult] = []
         load = threading.Thread(target=lambda: result.append(asyncio.run(
-            run_load(cluster.endpoint, prompts(args.requests, 16), args.concurrency, **GREEDY))))  # fmt: skip
+            closed_loop(cluster.endpoint, prompts(args.requests, 16), args.concurrency))))  # fmt: skip
         load.start()
         time.sleep(2.0)
         t0 = time.monotonic()

@@ -20,10 +20,12 @@ ENGINE_ARGV = ["--model", "default", "--num-blocks", "256", "--block-size", "16"
 
 
 def free_base_port() -> int:
-    """A base port with the router's port and the worker ports after it (base+10.., base+30..) all free."""
+    """A base port with the router's port, the worker ports after it (base+10.., base+30..) and their metrics
+    ports (+1000) all free."""
     for _ in range(50):
-        base = random.randrange(20000, 60000, 100)
-        ports = [base, *range(base + 10, base + 14), *range(base + 30, base + 34)]
+        base = random.randrange(20000, 59000, 100)
+        workers = [*range(base + 10, base + 14), *range(base + 30, base + 34)]
+        ports = [base, base + 1, *workers, *(p + 1000 for p in workers)]  # base + 1: the router's HTTP API
         try:
             for port in ports:
                 with socket.socket() as s:
@@ -34,11 +36,15 @@ def free_base_port() -> int:
     raise RuntimeError("no free port range found")
 
 
-def cluster(num_prefill: int, num_decode: int, log_dir, decode_argv=None, prefill_argv=None) -> Cluster:
+def cluster(num_prefill: int, num_decode: int, log_dir, decode_argv=None, prefill_argv=None,
+            http: bool = False) -> Cluster:  # fmt: skip
+    """``http``: the router also serves the OpenAI-compatible API (``Cluster.http_endpoint``)."""
+    port = free_base_port()
     return start_cluster(
         num_prefill=num_prefill,
         num_decode=num_decode,
-        port=free_base_port(),
+        port=port,
+        http_port=port + 1 if http else 0,
         engine_argv=ENGINE_ARGV,
         decode_argv=decode_argv,
         prefill_argv=prefill_argv,

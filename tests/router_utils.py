@@ -23,10 +23,11 @@ class RouterStack:
     """A decode worker (``num_blocks`` of 16 tokens, local prefill) and a router that knows only it, sharing
     one event-loop thread. ``address`` is the router's; ``stop()`` ends everything it started."""
 
-    def __init__(self, model_dir, num_blocks: int = 64) -> None:
+    def __init__(self, model_dir, num_blocks: int = 64, max_waiting: int = 64) -> None:
         self.aio = AsyncioThread()
         self.engine = LLMEngine(model="default", num_blocks=num_blocks, block_size=16)
-        self.worker = DecodeWorker(self.engine, "decode-0", "127.0.0.1:0", self.aio, TEST_SECURITY)
+        self.worker = DecodeWorker(self.engine, "decode-0", "127.0.0.1:0", self.aio, TEST_SECURITY,
+                                   max_waiting=max_waiting)  # fmt: skip
         self.worker.loop.start()
         self.decode = InProcessServer({"Decode": self.worker}, aio=self.aio)
         self.router = new_router(model_dir, [self.decode.address])

@@ -147,7 +147,8 @@ def _child_pids(pid: int) -> list[int]:
 
 def _start_up(port: int, log: Path, *extra: str) -> tuple[subprocess.Popen, list[str]]:
     """``kvserve up`` in its own session; returns it once serving, with the lines it printed."""
-    cmd = [sys.executable, "-m", "kvserve.cli", "up", "--port", str(port), "--prefill", "0", *ENGINE_ARGV[2:], *extra]
+    cmd = [sys.executable, "-m", "kvserve.cli", "up", "--port", str(port), "--http-port", str(port + 1), "--prefill",
+           "0", *ENGINE_ARGV[2:], *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "a"), text=True, start_new_session=True)
     lines = []
     for line in proc.stdout:
@@ -162,8 +163,8 @@ def _start_up(port: int, log: Path, *extra: str) -> tuple[subprocess.Popen, list
 def test_killed_launcher_leaves_no_orphans_and_the_next_start_cleans_up(tmp_path):
     port = free_base_port()
     launcher, lines = _start_up(port, tmp_path / "up.log")
-    assert f"decode-0 decode grpc=127.0.0.1:{port + 10} metrics=-" in lines
-    assert f"router router grpc=127.0.0.1:{port} metrics=-" in lines
+    assert f"decode-0 decode grpc=127.0.0.1:{port + 10} metrics=http://127.0.0.1:{port + 1010}/metrics" in lines
+    assert f"router router grpc=127.0.0.1:{port} metrics=http://127.0.0.1:{port + 1}/metrics" in lines
     children = _child_pids(launcher.pid)
     assert len(children) == 3  # Redis, the decode worker, the router
     shm_dir = cluster_shm_dir(port)
@@ -191,7 +192,8 @@ def test_killed_launcher_leaves_no_orphans_and_the_next_start_cleans_up(tmp_path
 
 def test_up_exits_non_zero_when_a_process_cannot_start(tmp_path):
     port = free_base_port()
-    cmd = [sys.executable, "-m", "kvserve.cli", "up", "--port", str(port), "--prefill", "0", "--log-dir", str(tmp_path)]
+    cmd = [sys.executable, "-m", "kvserve.cli", "up", "--port", str(port), "--http-port", str(port + 1), "--prefill",
+           "0", "--log-dir", str(tmp_path)]  # fmt: skip
     broken = tmp_path / "weightless"  # passes the launcher's check, but no worker can load it
     broken.mkdir()
     (broken / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 from cluster_utils import free_base_port
 
@@ -17,10 +18,17 @@ def _processes_mentioning(text: str) -> list[str]:
     return [line for line in out.splitlines() if "pgrep" not in line]
 
 
+def _scrape(url: str) -> dict[str, float]:
+    """``/metrics`` as {sample with labels: value}."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {name: float(value) for line in text.splitlines() if line and not line.startswith("#")
+            for name, value in [line.rsplit(" ", 1)]}  # fmt: skip
+
+
 def test_up_serves_then_stops_cleanly(tmp_path):
     port = free_base_port()
-    cmd = [sys.executable, "-m", "kvserve.cli", "up", "--port", str(port), "--num-blocks", "64",
-           "--log-dir", str(tmp_path)]  # fmt: skip
+    cmd = [sys.executable, "-m", "kvserve.cli", "up", "--port", str(port), "--http-port", str(port + 1),
+           "--num-blocks", "64", "--log-dir", str(tmp_path)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -31,12 +39,26 @@ def test_up_serves_then_stops_cleanly(tmp_path):
                 break
             assert time.monotonic() < deadline, "".join(lines)
         assert f"127.0.0.1:{port}" in lines[-1]
-        assert lines[-4:-1] == [f"decode-0 decode grpc=127.0.0.1:{port + 10} metrics=-\n",
-                                f"prefill-0 prefill grpc=127.0.0.1:{port + 30} metrics=-\n",
-                                f"router router grpc=127.0.0.1:{port} metrics=-\n"]  # fmt: skip
+        decode_metrics = f"http://127.0.0.1:{port + 1010}/metrics"
+        assert lines[-4:-1] == [f"decode-0 decode grpc=127.0.0.1:{port + 10} metrics={decode_metrics}\n",
+                                f"prefill-0 prefill grpc=127.0.0.1:{port + 30} "
+                                f"metrics=http://127.0.0.1:{port + 1030}/metrics\n",
+                                f"router router grpc=127.0.0.1:{port} "
+                                f"metrics=http://127.0.0.1:{port + 1}/metrics\n"]  # fmt: skip
+        before = _scrape(decode_metrics)
         with Client(f"127.0.0.1:{port}", timeout_s=60) as client:
             result = client.generate("Hello", max_tokens=4, ignore_eos=True)
         assert len(result.token_ids) == 4 and result.transfer_backend == "shm"
+        after = _scrape(decode_metrics)  # the metrics moved with the request
+        finished = 'kvserve_requests_total{outcome="finished",role="decode"}'
+        assert after[finished] == before.get(finished, 0) + 1
+        ttft = "kvserve_time_to_first_token_seconds_count"
+        assert after[ttft] == before[ttft] + 1
+        assert after["kvserve_inter_token_latency_seconds_count"] >= 3
+        assert after['kvserve_kv_transfer_bytes_total{backend="shm"}'] > 0
+        routed = _scrape(f"http://127.0.0.1:{port + 1}/metrics")  # the router's, on its HTTP port
+        assert routed['kvserve_router_requests_total{status="OK"}'] == 1
+        assert sum(v for k, v in routed.items() if k.startswith("kvserve_router_decisions_total")) == 1
         assert _processes_mentioning(f"--port {port + 10}")  # the decode worker is up
     finally:
         proc.send_signal(signal.SIGTERM)

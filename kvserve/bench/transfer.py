@@ -11,10 +11,11 @@ verifies each chunk and writes it into its pool. Both on the bundled model's KV 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
+
+from kvserve.bench.report import median
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
             for layer in mapped.layers:
                 kernels.store_kvcache(k, v, layer.k_cache, layer.v_cache, slots)
             times.append(time.perf_counter() - start)
-        shm = statistics.median(times)
+        shm = median(times)
     finally:
         path.unlink()
 
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         aio.run(server.stop(0))
         aio.stop()
-    rpc = statistics.median(times)
+    rpc = median(times)
     print(f"{'backend':8}{'latency ms':>12}{'GB/s':>8}")
     print(f"{'shm':8}{shm * 1e3:12.1f}{nbytes / shm / 1e9:8.2f}")
     print(f"{'grpc':8}{rpc * 1e3:12.1f}{nbytes / rpc / 1e9:8.2f}")

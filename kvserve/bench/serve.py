@@ -10,10 +10,10 @@ the offline engine and then to the cluster, alternating, so that both see the ma
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
-from kvserve.bench_offline import make_prompts
+from kvserve.bench.offline import make_prompts
+from kvserve.bench.report import median, table
 
 
 def _offline_engine():
@@ -80,18 +80,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     prompts = make_prompts(args.num_prompts, args.prompt_len, args.prompt_len, 49152, seed=1)
     offline, served, lasts = _run(prompts, args.max_tokens, args.backend)
-
-    def med(values):
-        return statistics.median(values)
-
     print(f"{args.num_prompts} prompts of {args.prompt_len} tokens, {args.max_tokens} new tokens, one at a time")
-    print(f"{'':22}{'TTFT ms':>10}{'TPOT ms':>10}")
-    off_ttft, off_tpot = med([t for t, _ in offline]), med([p for _, p in offline])
-    srv_ttft, srv_tpot = med([t for t, _ in served]), med([p for _, p in served])
-    print(f"{'offline engine':22}{off_ttft:10.1f}{off_tpot:10.1f}")
-    print(f"{'1P+1D cluster (' + args.backend + ')':22}{srv_ttft:10.1f}{srv_tpot:10.1f}")
-    print(f"{'ratio cluster/offline':22}{srv_ttft / off_ttft:10.2f}{srv_tpot / off_tpot:10.2f}")
-    prefill = med([x.timings["prefill_ms"] for x in lasts])
-    transfer = med([x.timings["transfer_ms"] for x in lasts])
+    off_ttft, off_tpot = median(t for t, _ in offline), median(p for _, p in offline)
+    srv_ttft, srv_tpot = median(t for t, _ in served), median(p for _, p in served)
+    rows = [("offline engine", off_ttft, off_tpot), (f"1P+1D cluster ({args.backend})", srv_ttft, srv_tpot),
+            ("ratio cluster/offline", srv_ttft / off_ttft, srv_tpot / off_tpot)]
+    print(table(("median", "TTFT ms", "TPOT ms"), rows))
+    prefill = median(x.timings["prefill_ms"] for x in lasts)
+    transfer = median(x.timings["transfer_ms"] for x in lasts)
     print(f"cluster TTFT parts (median): prefill batch {prefill:.1f} ms, KV hand-off after prefill {transfer:.1f} ms, "
           f"backend {lasts[0].transfer_backend}")  # fmt: skip

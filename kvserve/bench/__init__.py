@@ -1,0 +1,13 @@
+"""The benchmarks, one module per bench, each with ``main(argv)``; ``kvserve bench NAME`` runs one:
+
+* ``offline``: the engine's ``LLM.generate`` against transformers' batched ``generate``;
+* ``serve``: TTFT and TPOT through a local 1P+1D cluster against the offline engine, one request at a time;
+* ``transfer``: the KV hand-off's cost, ``shm`` against ``grpc``;
+* ``cuda_ipc``: the KV hand-off between two processes on a GPU;
+* ``load``: an open-loop load test of a running cluster through its public API (``kvserve.bench.loadgen``
+  is its engine, which ``scripts/reliability.py`` drives too).
+
+``kvserve.bench.report`` holds what they share for timing and reporting.
+"""
+
+BENCHES = ("offline", "serve", "transfer", "cuda_ipc", "load")

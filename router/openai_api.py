@@ -1,0 +1,197 @@
+"""The router's OpenAI-compatible HTTP front door (FastAPI on uvicorn, on the router's own event loop).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` over server-sent events, ending
+with ``data: [DONE]``; ``stream_options.include_usage`` adds a closing usage event), ``GET /v1/models`` and
+``GET /health`` (503 while no decode worker answers), ``GET /metrics`` (Prometheus, ``rpc.metrics``).
+
+A request's life here: the body is parsed (``router.openai_protocol``) into the same ``pb.GenerateRequest``
+the gRPC door takes and handed to ``Router.generate`` in this process: validation, routing and the decode
+call are the gRPC path's, with no second hop. Errors before the first token become OpenAI error objects with
+the matching HTTP status (400 bad input, 429 the workers are full, 503 no worker); a stream that fails later
+ends with an ``error`` event. A client that disconnects, whether waiting for the first token, reading a
+stream or waiting for a whole answer, closes the router's stream, which cancels the decode call and frees
+its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing, contextmanager, suppress
+from typing import Any, TypeVar
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from protos.kvserve.v1 import kvserve_pb2 as pb
+from router import openai_protocol as api
+from router.server import RouteError, Router
+
+_T = TypeVar("_T")
+_CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, but logs show what happened
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def create_app(router: Router, model_name: str) -> FastAPI:
+    """The HTTP API over ``router``; ``model_name`` is what ``/v1/models`` lists and answers carry."""
+    app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return _error(grpc.StatusCode.INVALID_ARGUMENT, f"{param or 'body'}: {first.get('msg', 'invalid')}", param)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if await router.ready():
+            return JSONResponse({"status": "ok"})
+        return _error(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kvserve"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: api.CompletionRequest, request: Request) -> Response:
+        return await _serve(router, model_name, body, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: api.ChatCompletionRequest, request: Request) -> Response:
+        return await _serve(router, model_name, body, request, chat=True)
+
+    return app
+
+
+async def _serve(router: Router, model: str, body: api.CompletionRequest | api.ChatCompletionRequest,
+                 request: Request, chat: bool) -> Response:  # fmt: skip
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    try:
+        proto = body.to_proto(request_id)
+    except ValueError as err:
+        return _error(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+    stream = router.generate(proto)
+    try:
+        if not body.stream:
+            text, last = await _unless_gone(request, _collect(stream))
+            await stream.aclose()
+            return JSONResponse(api.completion(request_id, model, chat, text, last))
+        first = await _unless_gone(request, anext(stream, None))
+    except RouteError as err:
+        await stream.aclose()
+        return _error(err.code, err.details)
+    except _ClientGone:
+        await stream.aclose()  # cancels the decode call: its blocks are freed
+        return Response(status_code=_CLIENT_GONE)
+    events = _events(stream, first, request_id, model, chat, body.include_usage)
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _collect(stream: AsyncIterator[pb.GenerateResponse]) -> tuple[str, pb.GenerateResponse]:
+    texts, last = [], pb.GenerateResponse()
+    async for msg in stream:
+        texts.append(msg.text)
+        last = msg
+    return "".join(texts), last
+
+
+async def _events(stream: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse | None, request_id: str,
+                  model: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
+    """SSE events: one per router message, the usage event when asked, ``[DONE]``. Starlette cancels this
+    generator when the client disconnects; closing ``stream`` then cancels the decode call."""
+    async with aclosing(stream):
+        msg, last = first, first
+        try:
+            while msg is not None:
+                yield _sse(api.chunk(request_id, model, chat, msg.text, msg.finish_reason or None, msg is first))
+                last, msg = msg, await anext(stream, None)
+        except RouteError as err:
+            yield _sse(api.error(err.code, err.details)[1])
+        else:
+            if include_usage and last is not None:
+                yield _sse(api.chunk(request_id, model, chat, "", None, False, usage_of=last))
+    yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _error(code: grpc.StatusCode, message: str, param: str | None = None) -> JSONResponse:
+    status, body = api.error(code, message, param)
+    return JSONResponse(body, status_code=status)
+
+
+async def _unless_gone(request: Request, work: Awaitable[_T]) -> _T:
+    """``work``'s result, or ``_ClientGone`` (``work`` cancelled) as soon as the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with suppress(asyncio.CancelledError, RouteError):
+                await task
+    if task.cancelled():
+        raise _ClientGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class HttpServer:
+    """uvicorn serving an app on the running event loop, beside the gRPC server. The socket is bound before
+    uvicorn starts, so a taken port fails here with ``OSError`` and port 0 gets a free one (``port``)."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, tls_cert: str | None = None, tls_key: str | None = None,
+                 tls_ca: str | None = None) -> None:  # fmt: skip
+        self._socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.port = self._socket.getsockname()[1]
+        self.scheme = "https" if tls_cert else "http"
+        tls = {"ssl_certfile": tls_cert, "ssl_keyfile": tls_key}
+        if tls_ca:  # mutual TLS, as on the gRPC port
+            tls |= {"ssl_ca_certs": tls_ca, "ssl_cert_reqs": 2}  # ssl.CERT_REQUIRED
+        config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=30, **(tls if tls_cert else {}))  # fmt: skip
+        self._server = _Uvicorn(config)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start
+                raise RuntimeError("the HTTP server stopped during start-up")
+            await asyncio.sleep(0.01)
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        """Stop taking connections; open streams get ``grace_s`` seconds, then they are cancelled."""
+        self._server.config.timeout_graceful_shutdown = grace_s
+        self._server.should_exit = True
+        if self._task is not None:
+            await self._task
+
+
+class _Uvicorn(uvicorn.Server):
+    @contextmanager
+    def capture_signals(self):  # the router's own loop owns SIGINT/SIGTERM
+        yield

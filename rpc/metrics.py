@@ -1,0 +1,64 @@
+"""Prometheus metrics of every kvserve process, all named ``kvserve_*``, and the HTTP endpoint that serves them.
+
+Workers serve ``/metrics`` on their own ``--metrics-port`` (``start_metrics_server``); the router serves it on
+its HTTP port. Counters and histograms are updated where things happen (off the model's critical path: a
+histogram observation is about a microsecond); gauges that mirror a worker's state (queue depths, KV blocks)
+are read at scrape time from the ``load`` function the worker registers, so nothing updates them per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+REQUESTS = Counter("kvserve_requests", "Requests that ended on this worker, by outcome", ["role", "outcome"])
+PREFIX_QUERIES = Counter("kvserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
+                         ["role"])  # fmt: skip
+PREFIX_HITS = Counter("kvserve_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache", ["role"])
+PREFILL_BATCH = Histogram("kvserve_prefill_batch_requests", "Requests per prefill batch",
+                          buckets=(1, 2, 4, 8, 16, 32, 64))  # fmt: skip
+TTFT = Histogram("kvserve_time_to_first_token_seconds", "Request received to first token", buckets=_LATENCY_BUCKETS)
+TPOT = Histogram("kvserve_time_per_output_token_seconds", "Mean time per output token after the first",
+                 buckets=_TOKEN_BUCKETS)  # fmt: skip
+ITL = Histogram("kvserve_inter_token_latency_seconds", "Time between two tokens of a stream", buckets=_TOKEN_BUCKETS)
+E2E = Histogram("kvserve_e2e_request_latency_seconds", "Request received to last token", buckets=_LATENCY_BUCKETS)
+TRANSFER_BYTES = Counter("kvserve_kv_transfer_bytes", "Prompt KV bytes handed from prefill to decode", ["backend"])
+HANDOFF = Histogram("kvserve_kv_handoff_seconds", "Prefill call: sent to KV verified, on the decode worker",
+                    ["backend"], buckets=_LATENCY_BUCKETS)  # fmt: skip
+ROUTER_REQUESTS = Counter("kvserve_router_requests", "Requests the router answered, by gRPC status", ["status"])
+ROUTING = Counter("kvserve_router_decisions", "Decode worker choices, by what decided them", ["reason"])
+
+_STATE = Gauge("kvserve_worker_state", "A worker's current queue depths and KV blocks", ["role", "field"])
+_STATE_FIELDS = {"num_waiting": "requests_waiting", "num_running": "requests_running", "free_blocks": "kv_blocks_free",
+                 "used_blocks": "kv_blocks_used", "cached_blocks": "kv_blocks_cached"}  # fmt: skip
+
+
+def export_state(role: str, load: Callable[[], dict[str, int]], num_preemptions: Callable[[], int]) -> None:
+    """Expose ``load()``'s fields (those of ``_STATE_FIELDS`` it has) as gauges and the engine's preemption
+    count as ``kvserve_preemptions_total``, all read at scrape time."""
+    for key, name in _STATE_FIELDS.items():
+        _STATE.labels(role, name).set_function(lambda key=key: float(load().get(key, 0)))
+    REGISTRY.register(_PreemptionCount(role, num_preemptions))
+
+
+class _PreemptionCount(Collector):
+    def __init__(self, role: str, count: Callable[[], int]) -> None:
+        self.role, self.count = role, count
+
+    def collect(self):
+        family = CounterMetricFamily("kvserve_preemptions", "Sequences preempted (recomputed later) for lack of "
+                                     "KV blocks", labels=["role"])  # fmt: skip
+        family.add_metric([self.role], self.count())
+        yield family
+
+
+def start_metrics_server(host: str, port: int) -> int:
+    """Serve ``/metrics`` over HTTP on a daemon thread; returns the port (``port`` 0 picks a free one)."""
+    server, _ = start_http_server(port, addr=host)
+    return server.server_address[1]

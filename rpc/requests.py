@@ -1,0 +1,48 @@
+"""Building a public ``pb.GenerateRequest`` from plain Python values: the client library and the router's
+OpenAI-compatible HTTP API both use it, so that a request means the same whichever door it came through.
+
+Only protobuf is imported here (no engine, no torch): the client library stays light. Nothing is validated
+here; ``rpc.validation`` does that for every request the router receives.
+"""
+
+from __future__ import annotations
+
+from protos.kvserve.v1 import kvserve_pb2 as pb
+
+Prompt = str | list[int] | list[dict[str, str]]
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty")
+
+
+def build_request(
+    prompt: Prompt,
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: list[str] | str | None = None,
+    stop_token_ids: list[int] | None = None,
+    ignore_eos: bool = False,
+    repetition_penalty: float | None = None,
+    request_id: str = "",
+) -> pb.GenerateRequest:
+    """``prompt`` is text, token ids or chat messages (``{"role", "content"}`` dicts); ``None`` options stay
+    unset, so the server applies its defaults."""
+    values = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
+              "repetition_penalty": repetition_penalty}  # fmt: skip
+    sampling = pb.SamplingOptions(
+        stop=[stop] if isinstance(stop, str) else list(stop or []),
+        stop_token_ids=list(stop_token_ids or []),
+        ignore_eos=ignore_eos,
+        **{name: values[name] for name in _OPTIONAL if values[name] is not None},
+    )
+    request = pb.GenerateRequest(request_id=request_id, sampling=sampling)
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+    else:
+        request.token_ids.ids.extend(prompt)
+        request.token_ids.SetInParent()  # an empty list is still "token_ids", so the server can say it is empty
+    return request
