@@ -9,10 +9,14 @@ are read at scrape time from the ``load`` function the worker registers, so noth
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from engine import LLMEngine
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -34,17 +38,23 @@ HANDOFF = Histogram("kvserve_kv_handoff_seconds", "Prefill call: sent to KV veri
 ROUTER_REQUESTS = Counter("kvserve_router_requests", "Requests the router answered, by gRPC status", ["status"])
 ROUTING = Counter("kvserve_router_decisions", "Decode worker choices, by what decided them", ["reason"])
 
-_STATE = Gauge("kvserve_worker_state", "A worker's current queue depths and KV blocks", ["role", "field"])
-_STATE_FIELDS = {"num_waiting": "requests_waiting", "num_running": "requests_running", "free_blocks": "kv_blocks_free",
-                 "used_blocks": "kv_blocks_used", "cached_blocks": "kv_blocks_cached"}  # fmt: skip
+_STATE = Gauge("kvserve_worker_state", "A worker's queue depths and KV blocks now", ["role", "field"])
 
 
-def export_state(role: str, load: Callable[[], dict[str, int]], num_preemptions: Callable[[], int]) -> None:
-    """Expose ``load()``'s fields (those of ``_STATE_FIELDS`` it has) as gauges and the engine's preemption
-    count as ``kvserve_preemptions_total``, all read at scrape time."""
-    for key, name in _STATE_FIELDS.items():
-        _STATE.labels(role, name).set_function(lambda key=key: float(load().get(key, 0)))
-    REGISTRY.register(_PreemptionCount(role, num_preemptions))
+def export_state(role: str, load: Callable[[], dict[str, int]], engine: LLMEngine) -> None:
+    """Expose a worker's queue depths (from ``load()``) and its engine's KV blocks (used, free, holding cached
+    prefixes) as gauges, and the engine's preemptions as ``kvserve_preemptions_total``; read at scrape time."""
+    pool = engine.block_manager.pool
+    fields = {
+        "requests_waiting": lambda: load()["num_waiting"],
+        "requests_running": lambda: load()["num_running"],
+        "kv_blocks_free": lambda: pool.num_free_blocks,
+        "kv_blocks_used": lambda: pool.num_blocks - pool.num_free_blocks,
+        "kv_blocks_cached": lambda: len(pool.cached),
+    }
+    for name, read in fields.items():
+        _STATE.labels(role, name).set_function(read)
+    REGISTRY.register(_PreemptionCount(role, lambda: engine.scheduler.num_preemptions))
 
 
 class _PreemptionCount(Collector):

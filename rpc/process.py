@@ -55,7 +55,7 @@ def serve(worker: Worker, services: dict[str, object], aio: AsyncioThread, secur
 
     server, health, names = aio.run(start())
     info = worker.info()
-    metrics.export_state(info.role, worker.load, lambda: worker.engine.scheduler.num_preemptions)
+    metrics.export_state(info.role, worker.load, worker.engine)
     metrics_port = metrics.start_metrics_server(args.host, args.metrics_port)
     log.info("%s %s: metrics on http://%s:%d/metrics", info.role, info.worker_id, args.host, metrics_port)
     publisher = None

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # see kvserve/__init__.py: tests start processes too
+
+import pytest  # noqa: E402
 import torch
 
 NUM_NEW_TOKENS = 32

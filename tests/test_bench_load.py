@@ -53,10 +53,16 @@ def _check_consistent(result: dict, num: int, output_len: int) -> None:
 
 
 def test_grpc_run_report_json_and_plot(full_cluster, tmp_path):
+    metrics = [c.metrics_url for c in full_cluster.children]  # the decode and prefill workers' and the router's
     result = _load(tmp_path, "grpc", "--target", full_cluster.endpoint, "--num-requests", "10", "--input-len", "32",
                    "--output-len", "6", "--request-rate", "20", "--max-concurrency", "2", "--warmup", "2",
-                   "--seed", "3", "--slo", "ttft_ms=600000,tpot_ms=1")  # fmt: skip
+                   "--seed", "3", "--slo", "ttft_ms=600000,tpot_ms=1",
+                   *(f"--metrics-url={url}" for url in metrics))  # fmt: skip
     _check_consistent(result, 10, 6)
+    server = result["server"]  # counted by the servers during the measured run (the warm-up came before)
+    assert server["router_requests"] == {'status="OK"': 10}
+    assert server["worker_requests"]['outcome="finished",role="decode"'] == 10
+    assert server["kv_transfer_bytes"] > 0 and 0 < server["server_ttft_ms_mean"] <= result["ttft_ms"]["mean"]
     assert result["total_input_tokens"] == 10 * 32
     assert result["goodput"]["slo"] == {"ttft_ms": 600000, "tpot_ms": 1}
     assert result["goodput"]["good_requests"] == 0  # nobody decodes a token in 1 ms here

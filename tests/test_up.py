@@ -56,6 +56,7 @@ def test_up_serves_then_stops_cleanly(tmp_path):
         assert after[ttft] == before[ttft] + 1
         assert after["kvserve_inter_token_latency_seconds_count"] >= 3
         assert after['kvserve_kv_transfer_bytes_total{backend="shm"}'] > 0
+        assert after['kvserve_worker_state{field="kv_blocks_used",role="decode"}'] == 0  # all freed again
         routed = _scrape(f"http://127.0.0.1:{port + 1}/metrics")  # the router's, on its HTTP port
         assert routed['kvserve_router_requests_total{status="OK"}'] == 1
         assert sum(v for k, v in routed.items() if k.startswith("kvserve_router_decisions_total")) == 1

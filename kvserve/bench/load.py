@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from kvserve.bench import report
 from kvserve.bench.backends import GrpcBackend, OpenAIBackend
 from kvserve.bench.datasets import DATASETS, jsonl_requests, random_requests, shared_prefix_requests
 from kvserve.bench.loadgen import BenchRequest, LoadResult, run_load
+from kvserve.bench.server_metrics import scrape, server_figures
 
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 LATENCIES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_ms": "end-to-end"}
@@ -117,13 +119,17 @@ def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
     return jsonl_requests(args.dataset_path, tokenizer, args.output_len)
 
 
-async def _run(args: argparse.Namespace, requests: list[BenchRequest], rates: list[float]) -> list[LoadResult]:
+async def _run(args: argparse.Namespace, requests: list[BenchRequest], rates: list[float],
+               before: dict[str, float]) -> list[LoadResult]:  # fmt: skip
+    """The warm-up, then one run per rate; ``before`` gets the servers' metrics as the measured part starts."""
     backend = OpenAIBackend() if args.backend == "openai" else GrpcBackend()
     target = args.target or ("127.0.0.1:8000" if args.backend == "openai" else "127.0.0.1:50051")
     sampling = {"temperature": args.temperature, "ignore_eos": True}
     common = {"backend": backend, "sampling": sampling, "timeout_s": args.timeout}
     if args.warmup:
         await run_load(target, requests[: args.warmup], max_concurrency=args.max_concurrency, **common)
+    if args.metrics_url:
+        before.update(await asyncio.to_thread(scrape, args.metrics_url))
     results = []
     for rate in rates:
         results.append(await run_load(target, requests, num_requests=args.num_requests, duration_s=args.duration,
@@ -167,12 +173,19 @@ def main(argv: list[str] | None = None) -> None:
     out.add_argument("--save-result", default=None, help="write the figures and the arguments as JSON")
     out.add_argument("--plot", default=None, help="write a PNG: latency CDFs and load over time, or the sweep curve")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    out.add_argument("--metrics-url", action="append", default=[],
+                     help="a process's /metrics (repeat for each; kvserve up prints them): adds server-side figures")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.sweep_rates.split(",")] if args.sweep_rates else [args.request_rate]
 
     requests = build_requests(args)
-    results = asyncio.run(_run(args, requests, rates))
+    before: dict[str, float] = {}
+    results = asyncio.run(_run(args, requests, rates, before))
     summaries = [summarize(result, rate, args.slo) for result, rate in zip(results, rates, strict=True)]
+    if args.metrics_url:  # over the whole run (every rate of a sweep)
+        server = server_figures(before, scrape(args.metrics_url))
+        summaries[-1]["server"] = server
+        print("\nserver-side, from /metrics: " + json.dumps(server, indent=1))
     for summary in summaries:
         print(f"\n=== {args.backend} backend, {args.dataset} dataset\n{format_summary(summary)}")
     if len(summaries) > 1:

@@ -1,0 +1,114 @@
+"""Prefix caching through a local cluster (real processes, embedded Redis), ratios from one run.
+
+    python scripts/prefix_cache.py ttft       # 2,000-token prompts whose first 1,800 tokens are cached vs cold
+    python scripts/prefix_cache.py workload   # 4 system prompts of ~1,000 tokens x 8 questions, 2P+2D,
+                                              # prefix caching on against off, both clusters up at once
+
+ttft:     1P+1D; each round a new 1,800-token prefix: its first request is cold, a second with the same prefix
+          and another 200-token tail is warm. Reports both TTFTs, their ratio and the cached token counts.
+workload: the shared-system-prompt workload, alternating halves between the two clusters: prompt tokens
+          computed, hit rate, TTFT p50/p99, throughput and how many requests each decode worker served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reliability import free_base_port  # noqa: E402
+
+from kvserve.bench.datasets import shared_prefix_requests  # noqa: E402
+from kvserve.bench.loadgen import LoadResult, run_load  # noqa: E402
+from kvserve.client import Client  # noqa: E402
+from kvserve.cluster import Cluster, start_cluster  # noqa: E402
+
+VOCAB = 49152
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def up(log_dir: str, num_prefill: int, num_decode: int, caching: bool) -> Cluster:
+    os.makedirs(log_dir, exist_ok=True)
+    engine = ["--model", "default", "--num-blocks", "1024", "--block-size", "16", "--enable-prefix-caching",
+              str(caching).lower()]  # fmt: skip
+    return start_cluster(num_prefill=num_prefill, num_decode=num_decode, port=free_base_port(), engine_argv=engine,
+                         log_dir=log_dir)  # fmt: skip
+
+
+def ttft(log_dir: str, rounds: int) -> None:
+    cluster = up(log_dir, 1, 1, caching=True)
+    rng = random.Random(0)
+    cold, warm = [], []
+    try:
+        with Client(cluster.endpoint, timeout_s=300) as client:
+            for i in range(rounds):
+                prefix = [rng.randrange(100, VOCAB) for _ in range(1800)]
+                results = [client.generate(prefix + [rng.randrange(100, VOCAB) for _ in range(200)], max_tokens=1,
+                                           **GREEDY) for _ in range(2)]  # fmt: skip
+                (c, w) = (r.timings["ttft_ms"] for r in results)
+                cold.append(c)
+                warm.append(w)
+                print(f"round {i}: cold {c:.0f} ms (cached {results[0].usage['cached_prompt_tokens']}), "
+                      f"warm {w:.0f} ms (cached {results[1].usage['cached_prompt_tokens']}), ratio {w / c:.2f}")
+    finally:
+        cluster.stop()
+    print(f"median TTFT: cold {statistics.median(cold):.0f} ms, warm {statistics.median(warm):.0f} ms, "
+          f"warm/cold {statistics.median(warm) / statistics.median(cold):.2f} (target <= 0.25)")
+
+
+def served_per_decode_worker(cluster: Cluster) -> dict[str, float]:
+    counts = {}
+    for child in cluster.children:
+        if child.role == "decode":
+            text = urllib.request.urlopen(child.metrics_url, timeout=10).read().decode()
+            counts[child.name] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                                     if line.startswith('kvserve_requests_total{outcome="finished"'))  # fmt: skip
+    return counts
+
+
+def workload(log_dir: str, concurrency: int) -> None:
+    requests = shared_prefix_requests(4, 8, prefix_len=1000, input_len=40, output_len=16, vocab_size=VOCAB)
+    halves = [requests[: len(requests) // 2], requests[len(requests) // 2 :]]
+    clusters = {"on": up(os.path.join(log_dir, "on"), 2, 2, True), "off": up(os.path.join(log_dir, "off"), 2, 2, False)}
+    try:
+        runs: dict[str, list[LoadResult]] = {"on": [], "off": []}
+        for half in halves:  # alternate, so that drift hits both sides alike
+            for name, cluster in clusters.items():
+                runs[name].append(asyncio.run(run_load(cluster.endpoint, list(half), max_concurrency=concurrency,
+                                                       sampling=GREEDY)))  # fmt: skip
+        for name, results in runs.items():
+            merged = LoadResult([r for run in results for r in run.records], sum(run.duration_s for run in results))
+            ok = merged.ok()
+            prompt = sum(r.num_prompt_tokens for r in ok)
+            cached = sum(r.num_cached_tokens for r in ok)
+            print(f"--- prefix caching {name}\n{merged.summary()}")
+            print(f"prompt tokens {prompt}, computed {prompt - cached}, hit rate {cached / max(1, prompt):.1%}; "
+                  f"requests served per decode worker {served_per_decode_worker(clusters[name])}")
+    finally:
+        for cluster in clusters.values():
+            cluster.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["ttft", "workload"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=8)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kvserve-prefix-") as log_dir:
+        if args.what == "ttft":
+            ttft(log_dir, args.rounds)
+        else:
+            workload(log_dir, args.concurrency)
+
+
+if __name__ == "__main__":
+    main()
