@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHES:
         import importlib
 
-        importlib.import_module(f"kvserve.bench.{argv[1]}").main(argv[2:])
+        importlib.import_module(f"kvserve.bench.{argv[1].replace('-', '_')}").main(argv[2:])
         return
     parser = argparse.ArgumentParser(prog="kvserve", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)

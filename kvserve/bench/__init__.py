@@ -4,10 +4,11 @@
 * ``serve``: TTFT and TPOT through a local 1P+1D cluster against the offline engine, one request at a time;
 * ``transfer``: the KV hand-off's cost, ``shm`` against ``grpc``;
 * ``cuda_ipc``: the KV hand-off between two processes on a GPU;
+* ``kv-curve``: decode tokens/s and KV memory against sequence length, with the KV cache against none;
 * ``load``: an open-loop load test of a running cluster through its public API (``kvserve.bench.loadgen``
   is its engine, which ``scripts/reliability.py`` drives too).
 
 ``kvserve.bench.report`` holds what they share for timing and reporting.
 """
 
-BENCHES = ("offline", "serve", "transfer", "cuda_ipc", "load")
+BENCHES = ("offline", "serve", "transfer", "cuda_ipc", "kv-curve", "load")  # module: the name with "_" for "-"
