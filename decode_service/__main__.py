@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
-import uuid
 
 from engine import LLMEngine
-from kvstore.registry import Registry
-from rpc.auth import security_from_args
 from rpc.flags import add_worker_args, engine_config_from_args
 from rpc.loop import AsyncioThread
-from rpc.process import compute_threads, serve
+from rpc.process import prepare_worker, serve
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,14 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transfer-backend", choices=["shm", "grpc"], default=None, help="force one backend")
     parser.add_argument("--no-shm", action="store_true", help="keep the KV pool in private memory")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(levelname)s %(message)s")
-    worker_id = args.worker_id or f"decode-{uuid.uuid4().hex[:8]}"
-    try:
-        security = security_from_args(args)
-    except ValueError as err:
-        sys.exit(f"decode worker: {err}")
-    registry = Registry(args.redis_url, security=security) if args.redis_url else None
-    compute_threads(args, registry)
+    worker_id, security, registry = prepare_worker(args, "decode")
     engine = LLMEngine(engine_config_from_args(args).model_copy(
         update={"shared_kv_name": None if args.no_shm else worker_id}))  # fmt: skip
     aio = AsyncioThread()

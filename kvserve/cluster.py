@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import secrets
 import socket
 import stat
@@ -29,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from decode_service.prefill_client import REFRESH_S
 from engine.bundled import resolve_model
 from kvserve.processes import die_with_parent
 from kvserve.redis_server import EmbeddedRedis, remove_stale_dirs
@@ -176,6 +178,20 @@ def cluster_shm_dir(port: int) -> Path:
     return directory
 
 
+def free_base_port(num_workers: int = 4, host: str = "127.0.0.1") -> int:
+    """A router port whose layout under ``start_cluster`` is free: it, the HTTP port after it (+1), the decode
+    (+10..) and prefill (+30..) workers' ports and their metrics ports (+1000). For tests and scripts."""
+    for _ in range(100):
+        base = random.randrange(20000, 59000, 100)
+        workers = [*range(base + 10, base + 10 + num_workers), *range(base + 30, base + 30 + num_workers)]
+        try:
+            check_ports_free(host, [base, base + 1, *workers, *(p + 1000 for p in workers)])
+            return base
+        except RuntimeError:
+            continue
+    raise RuntimeError("no free port range found")
+
+
 def check_ports_free(host: str, ports: list[int]) -> None:
     """Refuse ports something listens on already: gRPC servers share a port by default (SO_REUSEPORT), so a
     second cluster on the same ports would otherwise start and split the traffic with the first."""
@@ -279,8 +295,8 @@ def start_cluster(
 
 
 def _wait_registered(url: str, security: Security, worker_ids: set[str], deadline: float) -> None:
-    """Wait until the registry lists every worker, then for the decode workers' views of it to catch up (they
-    look every 0.1 s while they know no prefill worker), so the first request already goes disaggregated."""
+    """Wait until the registry lists every worker, then for the decode workers' views of it to catch up, so the
+    first requests already spread over every prefill worker."""
     registry = Registry(url, security=security)
     try:
         while not worker_ids <= {w.worker_id for w in registry.workers()}:
@@ -289,7 +305,7 @@ def _wait_registered(url: str, security: Security, worker_ids: set[str], deadlin
             time.sleep(0.05)
     finally:
         registry.stop()
-    time.sleep(0.3)
+    time.sleep(REFRESH_S + 0.2)  # a decode worker that already knew one prefill worker looks again within REFRESH_S
 
 
 def _child(name: str, role: str, address: str, argv: list[str], env: dict[str, str], security: Security,

@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
 import threading
+import uuid
 from typing import Protocol
 
 from engine import LLMEngine
@@ -15,7 +17,7 @@ from kvstore.prefix_publisher import PrefixPublisher
 from kvstore.registry import Registry
 from kvstore.workers import WorkerInfo, local_host_id
 from rpc import metrics
-from rpc.auth import Security
+from rpc.auth import Security, security_from_args
 from rpc.flags import set_compute_threads
 from rpc.loop import AsyncioThread, Loop
 from rpc.server import add_service, new_server, set_not_serving, start_server
@@ -31,6 +33,20 @@ class Worker(Protocol):
     def load(self) -> dict[str, int]: ...
     def drain(self, timeout_s: float) -> None: ...
     def stop(self) -> None: ...
+
+
+def prepare_worker(args: argparse.Namespace, role: str) -> tuple[str, Security, Registry | None]:
+    """What both roles do before loading a model: logging, the worker id, credentials (exit with the reason
+    when they are missing), the registry client and this worker's share of the cores."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    worker_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
+    try:
+        security = security_from_args(args)
+    except ValueError as err:
+        sys.exit(f"{role} worker: {err}")
+    registry = Registry(args.redis_url, security=security) if args.redis_url else None
+    compute_threads(args, registry)
+    return worker_id, security, registry
 
 
 def compute_threads(args: argparse.Namespace, registry: Registry | None) -> int:

@@ -20,7 +20,6 @@ import logging
 import os
 import random
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -32,27 +31,13 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve.bench.loadgen import BenchRequest, LoadResult, run_load  # noqa: E402
-from kvserve.cluster import Cluster, start_cluster  # noqa: E402
+from kvserve.cluster import Cluster, free_base_port, start_cluster  # noqa: E402
 from kvserve.supervisor import RestartPolicy, Supervisor  # noqa: E402
 from kvstore.registry import Registry  # noqa: E402
 
 ENGINE_ARGV = ["--model", "default", "--num-blocks", "512", "--block-size", "16"]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 MAX_TOKENS = 8
-
-
-def free_base_port() -> int:
-    for _ in range(100):
-        base = random.randrange(20000, 59000, 100)
-        workers = [*range(base + 10, base + 12), *range(base + 30, base + 32)]
-        try:
-            for port in [base, *workers, *(p + 1000 for p in workers)]:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range")
 
 
 def prompts(n: int, distinct: int, seed: int = 0) -> list[BenchRequest]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import random
-import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,27 +11,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvserve.client import Client
-from kvserve.cluster import Cluster, start_cluster
+from kvserve.cluster import Cluster, free_base_port, start_cluster
 from kvserve.supervisor import RestartPolicy, Supervisor
 
 ENGINE_ARGV = ["--model", "default", "--num-blocks", "256", "--block-size", "16"]
-
-
-def free_base_port() -> int:
-    """A base port with the router's port, the worker ports after it (base+10.., base+30..) and their metrics
-    ports (+1000) all free."""
-    for _ in range(50):
-        base = random.randrange(20000, 59000, 100)
-        workers = [*range(base + 10, base + 14), *range(base + 30, base + 34)]
-        ports = [base, base + 1, *workers, *(p + 1000 for p in workers)]  # base + 1: the router's HTTP API
-        try:
-            for port in ports:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range found")
 
 
 def cluster(num_prefill: int, num_decode: int, log_dir, decode_argv=None, prefill_argv=None,
