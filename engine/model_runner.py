@@ -9,9 +9,8 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.loader import load_model
-from engine.sampler import sample
+from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
 from kvstore import KVCache, KVCacheSpec, token_slots
 from kvstore.transfer import KVMirror, create_shared_pool
 
@@ -46,7 +45,7 @@ class ModelRunner:
             self.kv_cache, self.kv_pool_path = create_shared_pool(self.kv_spec, num_blocks, config.shared_kv_name)
         else:
             self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
-        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.sampler = Sampler(model_config.vocab_size, self.device, config.seed)
 
     def close(self) -> None:
         """Remove the shared-memory file of the pool, if there is one (mappings stay valid until dropped)."""
@@ -74,7 +73,7 @@ class ModelRunner:
         if not sampled:
             return [None] * len(batch.seqs)
         logits = self.model.compute_logits(hidden[[sample_rows[i] for i in sampled]])
-        tokens = sample(logits, [self._sampling_row(batch.seqs[i]) for i in sampled])
+        tokens = self.sampler(logits, [batch.seqs[i] for i in sampled]).tolist()
         out: list[int | None] = [None] * len(batch.seqs)
         for i, token in zip(sampled, tokens, strict=True):
             out[i] = token
@@ -132,6 +131,3 @@ class ModelRunner:
             KVMirror(layers, torch.tensor(slots, device=self.device, dtype=torch.int64))
             for layers, slots in by_pool.values()
         ]
-
-    def _sampling_row(self, seq: Sequence):
-        return seq.params, seq.generator or self.generator, seq.token_ids

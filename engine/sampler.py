@@ -57,6 +57,21 @@ def skip_draw(params: SamplingParams, generator: torch.Generator, vocab_size: in
         torch.empty(vocab_size, device=device).exponential_(generator=generator)
 
 
+class Sampler:
+    """One token per row of a step's logits. (Interface for the batched device sampler; the body still samples
+    row by row.)"""
+
+    def __init__(self, vocab_size: int, device: torch.device, seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator(device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
+        """``logits (rows, vocab)`` float32, row i for ``seqs[i]`` (which samples its token number
+        ``seqs[i].num_tokens``) -> ``(rows,)`` int64 on ``logits.device``."""
+        rows = [(s.params, s.generator or self.generator, s.token_ids) for s in seqs]
+        return torch.tensor(sample(logits, rows), device=logits.device, dtype=torch.int64)
+
+
 def sample(logits: torch.Tensor, rows: list[tuple[SamplingParams, torch.Generator | None, list[int]]]) -> list[int]:
     """``logits (seqs, vocab)`` -> one token per row; greedy rows without penalty share one argmax."""
     simple = [i for i, (p, _, _) in enumerate(rows) if p.greedy and p.repetition_penalty == 1.0]
