@@ -1,7 +1,9 @@
-"""The decode worker's side of ``Prefill`` calls: which prefill worker, under which lease, over which channel.
+"""The decode worker's side of ``Prefill`` calls: which prefill worker, under which lease, over which channel,
+and the quarantine of blocks a failed call's writer may still touch.
 
 The view of live prefill workers is refreshed from the registry by a task on the gRPC event loop, so the
-engine loop never waits on Redis; through a Redis outage it keeps the registry's last-known view.
+engine loop never waits on Redis; through a Redis outage it keeps the registry's last-known view. Leases
+are written to, read from and deleted in Redis by one publisher thread, in order, never by the engine loop.
 """
 
 from __future__ import annotations
@@ -9,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 
 from decode_service.request import ActiveRequest
+from kvstore.block_manager import BlockManager
 from kvstore.kv_cache import KVCache
 from kvstore.registry import Registry
 from kvstore.transfer import checksum_blocks
@@ -87,9 +91,24 @@ class PrefillClient:
             self._publisher.submit(self.registry.put_lease, req.request_id, self.worker_id, req.prefill_worker,
                                    list(req.leased), ttl_s)  # fmt: skip
 
-    def end_lease(self, req: ActiveRequest) -> None:
+    def end_lease(self, request_id: str, writer: str) -> None:
+        """Delete ``request_id``'s lease from Redis if it still names ``writer`` (a retry may have replaced it)."""
         if self.registry is not None:
-            self._publisher.submit(self.registry.delete_lease, req.request_id)
+            self._publisher.submit(self.registry.delete_lease, request_id, writer)
+
+    def ended_leases(self, leases: list[tuple[str, str]]) -> Future:
+        """A future of the (request id, writer) pairs among ``leases`` whose writer has ended its lease."""
+        if self.registry is None:
+            done: Future = Future()
+            done.set_result(set())
+            return done
+
+        def read() -> set[tuple[str, str]]:
+            found = ((rid, writer, self.registry.get_lease(rid)) for rid, writer in leases)
+            return {(rid, writer) for rid, writer, got in found
+                    if got is not None and got.prefill_id == writer and got.state != "pending"}  # fmt: skip
+
+        return self._publisher.submit(read)
 
     def outcome(self, req: ActiveRequest, kv_cache: KVCache, num_blocks: int) -> tuple[pb.PrefillResponse | None,
                                                                                   str | None, bool]:
@@ -98,7 +117,6 @@ class PrefillClient:
         ``writer_done`` says no late write can still land in the blocks."""
         if not req.future.done():
             req.future.cancel()  # lease expired or client gone: the prefill worker drops the job
-        self.end_lease(req)
         if req.future.cancelled():
             return None, "cancelled" if req.cancelled else "lease expired", False
         if (exc := req.future.exception()) is not None:
@@ -126,3 +144,58 @@ class PrefillClient:
             except Exception:  # noqa: BLE001 - keep the last view; the registry logs outages itself
                 log.exception("refreshing the prefill workers failed")
             await asyncio.sleep(REFRESH_S if self.workers else REFRESH_S / 10)  # find the first one fast
+
+
+@dataclass
+class _Held:
+    deadline: float  # when the lease runs out (monotonic)
+    owner: str  # the blocks' owner name in the block manager meanwhile
+    request_id: str
+    writer: str  # the prefill worker the lease named
+
+
+class Quarantine:
+    """Blocks that a failed or abandoned prefill may still write into (``shm``, ``cuda_ipc``), held under a new
+    owner name and never handed to another request until no write can land: the lease has run out, or its
+    writer has ended it (in Redis, signed: it stopped writing, or it is a restarted worker whose predecessor
+    died). Redis is polled off the engine loop, at most every ``POLL_S``; without it, the deadline decides."""
+
+    POLL_S = 0.2
+
+    def __init__(self, block_manager: BlockManager, prefills: PrefillClient) -> None:
+        self.block_manager = block_manager
+        self.prefills = prefills
+        self._held: list[_Held] = []
+        self._poll: Future | None = None
+        self._polled_at = 0.0
+        self.num_held = 0  # reservations ever quarantined
+        self.num_freed_early = 0  # ... and freed before their lease ran out, because the writer ended it
+
+    def hold(self, request_id: str, writer: str, until: float) -> None:
+        owner = f"{request_id}#stale-{time.monotonic_ns()}"
+        self.block_manager.rename(request_id, owner)
+        self._held.append(_Held(until, owner, request_id, writer))
+        self.num_held += 1
+
+    def free_ended(self) -> None:
+        """Free the held blocks no writer can touch any more (the engine loop calls this every iteration)."""
+        if not self._held:
+            return
+        ended: set[tuple[str, str]] = set()
+        if self._poll is not None and self._poll.done():
+            ended = self._poll.result() if self._poll.exception() is None else set()
+            self._poll = None
+        now = time.monotonic()
+        kept = []
+        for held in self._held:
+            early = (held.request_id, held.writer) in ended
+            if early or held.deadline <= now:
+                self.block_manager.free(held.owner)
+                self.prefills.end_lease(held.request_id, held.writer)
+                self.num_freed_early += early
+            else:
+                kept.append(held)
+        self._held = kept
+        if kept and self._poll is None and now - self._polled_at >= self.POLL_S:
+            self._polled_at = now
+            self._poll = self.prefills.ended_leases([(h.request_id, h.writer) for h in kept])

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine import RequestOutput, SamplingParams
-from kvstore import BlockManager
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from rpc import metrics
 
@@ -131,28 +130,6 @@ class ActiveRequest:
             msg.decode_worker = worker_id
             msg.prefill_worker = self.prefill_worker
         return msg
-
-
-class Quarantine:
-    """Blocks that a failed or abandoned prefill may still write into: held under a new owner name until the
-    writer's lease has run out, then freed. Never handed to another request before that."""
-
-    def __init__(self, block_manager: BlockManager) -> None:
-        self.block_manager = block_manager
-        self._held: list[tuple[float, str]] = []  # (monotonic deadline, owner name in the block manager)
-        self.num_held = 0  # reservations ever quarantined
-
-    def hold(self, request_id: str, until: float) -> None:
-        stale = f"{request_id}#stale-{time.monotonic_ns()}"
-        self.block_manager.rename(request_id, stale)
-        self._held.append((until, stale))
-        self.num_held += 1
-
-    def free_expired(self) -> None:
-        now = time.monotonic()
-        for _, stale in [h for h in self._held if h[0] <= now]:
-            self.block_manager.free(stale)
-        self._held = [h for h in self._held if h[0] > now]
 
 
 class Admission:

@@ -12,7 +12,8 @@
    place; ``grpc``: through ``KVReceiver.PushKV``) and answers with the first
    token and a checksum, which we verify against our own blocks (RUNNING). A
    failed prefill is retried on another prefill worker, then locally; blocks
-   its writer may still touch (``shm``) are quarantined until its lease ends.
+   its writer may still touch (``shm``) are quarantined until its lease runs
+   out or the writer ends it (``prefill_client.Quarantine``).
 4. Every step's tokens go to the request's stream. Every exit (FINISHED,
    ABORTED by a gone client, FAILED) goes through ``_finish``, which frees the
    blocks, the lease and the stream; a loop error fails only the requests it
@@ -32,8 +33,8 @@ from collections import deque
 import grpc
 
 from decode_service.kv_receiver import KVReceiver
-from decode_service.prefill_client import PrefillClient
-from decode_service.request import ActiveRequest, Admission, Quarantine, RequestState
+from decode_service.prefill_client import PrefillClient, Quarantine
+from decode_service.request import ActiveRequest, Admission, RequestState
 from engine import LLMEngine, RequestOutput
 from engine.llm_engine import StepError
 from kvstore.registry import Registry
@@ -69,7 +70,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         self._inbox: queue.Queue = queue.Queue()  # ("add" | "abort" | "wake", request) from the gRPC side
         self._queued: deque[ActiveRequest] = deque()
         self._active: dict[str, ActiveRequest] = {}
-        self.quarantine = Quarantine(engine.block_manager)
+        self.quarantine = Quarantine(engine.block_manager, self.prefills)
         self.admission = Admission(max_waiting)
         self._drain_deadline: float | None = None  # set by drain(): no admissions from then on
         self._shutdown_error = (grpc.StatusCode.UNAVAILABLE, f"decode worker {worker_id} is shutting down; retry")
@@ -144,7 +145,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         self._drain_inbox()
         self._start_prefills()
         self._collect_prefills()
-        self.quarantine.free_expired()
+        self.quarantine.free_ended()
         if self.engine.has_unfinished_requests():
             self._step()
         if self._drain_deadline is not None:
@@ -244,6 +245,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         if req.cancelled:
             self._finish(req, S.ABORTED, writer_done=writer_done)
         elif error is None:
+            self.prefills.end_lease(req.request_id, req.prefill_worker)
             req.prefill_ms, req.transfer_ms = reply.prefill_ms, reply.transfer_ms
             req.move(S.RUNNING)
             self._emit(req, self.engine.add_prefilled(req.request_id, req.prompt, req.params, reply.first_token_id))
@@ -260,12 +262,14 @@ class DecodeWorker(pb_grpc.DecodeServicer):
     def _release_blocks(self, req: ActiveRequest, writer_done: bool) -> None:
         """Free a request's reserved blocks, or quarantine them while a prefill worker may still write. A
         ``grpc`` writer can write only through PushKV, which a revoked lease stops at once."""
+        writer = req.prefill_worker
         with self.receiver.lock:
             req.prefill_worker = ""  # revoke: lease_holder() names no one
         if writer_done or req.backend == "grpc":
             self.engine.release(req.request_id)
+            self.prefills.end_lease(req.request_id, writer)
         elif self.engine.block_manager.has(req.request_id):
-            self.quarantine.hold(req.request_id, req.lease_deadline)
+            self.quarantine.hold(req.request_id, writer, req.lease_deadline)
 
     def _emit(self, req: ActiveRequest, out: RequestOutput) -> None:
         req.emit(req.response(out, self.worker_id))
@@ -283,7 +287,6 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         elif req.state in (S.RESERVED, S.PREFILLING):
             if req.state is S.PREFILLING:
                 req.future.cancel()
-                self.prefills.end_lease(req)
             self._release_blocks(req, writer_done or req.state is S.RESERVED)
         self._active.pop(req.request_id, None)
         req.end(state, error)

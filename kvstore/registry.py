@@ -5,6 +5,7 @@ Keys (namespace ``kvserve:``):
 * ``kvserve:workers`` — set of registered worker ids; it may still name dead workers, readers prune them;
 * ``kvserve:worker:{id}`` — hash describing one worker, expiring ``ttl_s`` after its last heartbeat;
 * ``kvserve:lease:{request_id}`` — hash for one in-flight transfer (decode, prefill, block ids, state), with a TTL;
+  its writer ends it (``end_lease``) once it will never write again, so the holder may free held blocks early;
 * ``kvserve:prefix:{block_hash}`` — set of ids of the workers that hold that full block (``registry.prefix_index``,
   kvstore/prefix_index.py).
 
@@ -62,6 +63,11 @@ redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
 
+_DELETE_IF_HOLDER_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'prefill_id') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 
 def _worker_key(worker_id: str) -> str:
     return f"kvserve:worker:{worker_id}"
@@ -100,6 +106,7 @@ class Registry:
         self.prefix_index = PrefixIndex(self._link)
         self._heartbeat_script = self._redis.register_script(_HEARTBEAT_SCRIPT)
         self._update_if_exists = self._redis.register_script(_UPDATE_IF_EXISTS_SCRIPT)
+        self._delete_if_holder = self._redis.register_script(_DELETE_IF_HOLDER_SCRIPT)
         self._state_lock = threading.Lock()
         self._own: WorkerInfo | None = None
         self._last_workers: list[WorkerInfo] = []
@@ -270,19 +277,40 @@ class Registry:
             logger.warning("ignoring lease %r: %s", request_id, exc)
             return None
 
-    def update_lease_state(self, request_id: str, state: str) -> bool:
-        """Set the state of a live lease, keeping its TTL; False when the lease is gone (or Redis is down)."""
-        if state not in LEASE_STATES:
-            raise ValueError(f"lease state must be one of {LEASE_STATES}, got {state!r}")
+    def end_lease(self, request_id: str, prefill_id: str, state: str) -> bool:
+        """The writer ``prefill_id`` will never write under this lease again: set its final ``state`` (signed),
+        keeping the TTL. False when the lease is gone (or Redis is down)."""
+        if state not in LEASE_STATES[1:]:
+            raise ValueError(f"a lease ends in one of {LEASE_STATES[1:]}, got {state!r}")
+        signature = Lease.end_signature(self._security, request_id, prefill_id, state)
         key = _lease_key(request_id)
 
         def update() -> bool:
-            return bool(self._update_if_exists(keys=[key], args=["state", state]))
+            return bool(self._update_if_exists(keys=[key], args=["state", state, "state_signature", signature]))
 
-        return self._link.call("update_lease_state", update, False)
+        return self._link.call("end_lease", update, False)
 
-    def delete_lease(self, request_id: str) -> None:
-        self._link.call("delete_lease", lambda: self._redis.delete(_lease_key(request_id)), None)
+    def end_leases_of(self, prefill_id: str) -> int:
+        """A restarted ``prefill_id`` ends what its dead predecessor left pending (``failed``): a worker id names
+        one live process, so nothing writes under those leases any more. Returns how many it ended."""
+
+        def pending() -> list[str]:
+            keys = list(self._redis.scan_iter(match=_lease_key("*"), count=1000))
+            pipe = self._redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.hmget(key, "prefill_id", "state")
+            return [key.removeprefix(_lease_key("")) for key, (holder, state) in zip(keys, pipe.execute(), strict=True)
+                    if holder == prefill_id and state == "pending"]  # fmt: skip
+
+        return sum(self.end_lease(rid, prefill_id, "failed") for rid in self._link.call("end_leases_of", pending, []))
+
+    def delete_lease(self, request_id: str, prefill_id: str | None = None) -> None:
+        """Delete the lease; with ``prefill_id``, only while it names that writer (a retry may have replaced it)."""
+        key = _lease_key(request_id)
+        if prefill_id is None:
+            self._link.call("delete_lease", lambda: self._redis.delete(key), None)
+        else:
+            self._link.call("delete_lease", lambda: self._delete_if_holder(keys=[key], args=[prefill_id]), None)
 
 
 def _ttl_ms(ttl_s: float) -> int:

@@ -23,7 +23,10 @@ Role = Literal["prefill", "decode", "router"]
 ROLES: tuple[str, ...] = get_args(Role)
 LOAD_FIELDS = ("free_blocks", "total_blocks", "num_running", "num_waiting")
 SIGNED_FIELDS = ("worker_id", "role", "address", "host_id", "device", "fingerprint", "block_size", "started_at")
-LEASE_STATES = ("pending", "transferring", "success", "failed")
+# A lease is ``pending`` while its writer may still write. The writer alone ends it, once it will never write
+# under it again: ``success`` (all blocks written) or ``failed`` (stopped, or never started); a restarted worker
+# ends the leases its dead predecessor held. Its holder may then free the blocks before the lease runs out.
+LEASE_STATES = ("pending", "success", "failed")
 
 
 def local_host_id() -> str:
@@ -95,7 +98,8 @@ class WorkerInfo:
 class Lease:
     """An in-flight KV transfer: ``prefill_id`` writes into ``block_ids`` of ``decode_id`` for ``request_id``.
 
-    The signature covers everything but ``state``, which the transfer's parties update as it goes.
+    The decode worker's ``signature`` covers everything but ``state``; a final state carries the writer's own
+    ``state_signature`` (``end_signature``), and one that does not verify reads as ``pending``.
     """
 
     request_id: str
@@ -115,8 +119,20 @@ class Lease:
         """Inverse of ``to_redis``; raises ``KeyError`` or ``ValueError`` on a malformed or unverified hash."""
         if not security.verify(fields.get("signature", ""), "lease", request_id, *_lease_parts(fields)):
             raise ValueError(f"lease {request_id!r} does not verify")
-        return cls(request_id, fields["decode_id"], fields["prefill_id"], json.loads(fields["block_ids"]),
-                   fields["state"])  # fmt: skip
+        state = fields["state"]
+        if state != "pending" and not security.verify(fields.get("state_signature", ""),
+                                                      *_end_parts(request_id, fields["prefill_id"], state)):
+            state = "pending"  # only the writer can end its lease
+        return cls(request_id, fields["decode_id"], fields["prefill_id"], json.loads(fields["block_ids"]), state)
+
+    @staticmethod
+    def end_signature(security: Security, request_id: str, prefill_id: str, state: str) -> str:
+        """The writer's signature of a final ``state`` of its lease for ``request_id``."""
+        return security.sign(*_end_parts(request_id, prefill_id, state))
+
+
+def _end_parts(request_id: str, prefill_id: str, state: str) -> list[str]:
+    return ["lease-end", request_id, prefill_id, state]
 
 
 def _lease_parts(fields: Mapping[str, str]) -> list[str]:

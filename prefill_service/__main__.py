@@ -21,7 +21,9 @@ def main(argv: list[str] | None = None) -> None:
     worker_id, security, registry = prepare_worker(args, "prefill")
     engine = LLMEngine(engine_config_from_args(args))
     worker = PrefillWorker(engine, worker_id, args.advertise or f"{args.host}:{args.port}", security,
-                           args.max_batch_tokens, args.max_wait_ms)  # fmt: skip
+                           args.max_batch_tokens, args.max_wait_ms, registry)  # fmt: skip
+    if registry is not None and (ended := registry.end_leases_of(worker_id)):
+        logging.info("ended %d leases a previous %s left pending", ended, worker_id)  # it died mid-transfer
     logging.info("prefill worker %s serving on %s", worker_id, worker.address)
     serve(worker, {"Prefill": worker}, AsyncioThread(), security, args, registry, [engine.close])
 

@@ -15,6 +15,11 @@
 3. Back on the event loop: ``grpc`` streams the bytes to the decode worker's
    ``PushKV`` in checksummed chunks; the answer carries the first token and
    the checksum of the destination blocks.
+4. Once the batcher will never write into a destination pool for a job again
+   (done, dropped or failed), it ends the job's lease in Redis (signed), so
+   the decode worker may free blocks it held back after a failed call without
+   waiting for the lease to run out. A restarted worker ends the leases its
+   dead predecessor left (``Registry.end_leases_of``, at start-up).
 """
 
 from __future__ import annotations
@@ -24,13 +29,15 @@ import dataclasses
 import logging
 import queue
 import time
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from engine import LLMEngine, SamplingParams
 from kvstore.kv_cache import KVCache
+from kvstore.registry import Registry
 from kvstore.transfer import (
     checksum,
     checksum_blocks,
@@ -63,6 +70,7 @@ class PrefillJob:
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # the caller gave up: never start it, or stop it at the next step
+    writes_ended: bool = False  # we will never write into ``dest_pool`` for it again, and said so
 
 
 @dataclass
@@ -75,7 +83,8 @@ class PrefillResult:
 
 class PrefillWorker(pb_grpc.PrefillServicer):
     def __init__(self, engine: LLMEngine, worker_id: str, address: str, security: Security,
-                 max_batch_tokens: int = 4096, max_wait_ms: float = 20.0) -> None:  # fmt: skip
+                 max_batch_tokens: int = 4096, max_wait_ms: float = 20.0,
+                 registry: Registry | None = None) -> None:  # fmt: skip
         self.engine = engine
         self.worker_id = worker_id
         self.address = address
@@ -91,6 +100,8 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         self.batch_sizes: list[int] = []  # requests per batch, in order (for tests and stats)
         self.num_cancelled = 0  # jobs dropped because their caller gave up
         self._drain_deadline: float | None = None
+        self.registry = registry
+        self._lease_ends = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease-ends")  # Redis, off the loop
         self.loop = Loop(self._batch_once, "prefill-batcher")  # the process's main thread runs it (see Loop)
 
     # -- gRPC (event loop) ----------------------------------------------------------------------------
@@ -206,6 +217,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
 
     def stop(self) -> None:
         self.loop.stop()
+        self._lease_ends.shutdown(wait=False)
 
     def _collect(self) -> list[PrefillJob]:
         try:
@@ -236,6 +248,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             log.exception("prefill batch of %d failed", len(batch))
             for job in batch:
                 _settle(job, error=err)
+                self._end_writes(job, "failed")
         finally:
             self._num_running = 0
 
@@ -250,6 +263,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         for job in batch:
             if job.cancelled:  # its caller is gone: the destination blocks may already be someone else's
                 self._count_cancelled()
+                self._end_writes(job, "failed")
                 continue
             rid = f"prefill-{job.request_id}-{id(job)}"
             params = dataclasses.replace(job.params, max_tokens=1, stop=[], ignore_eos=True)
@@ -264,12 +278,13 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                 pending[rid] = job
             except Exception as err:  # noqa: BLE001 - this job only
                 _settle(job, error=err)
+                self._end_writes(job, "failed")
         try:
             while pending:
                 for rid in [rid for rid, job in pending.items() if job.cancelled]:
                     self._count_cancelled()
                     self._drop(rid)
-                    pending.pop(rid)
+                    self._end_writes(pending.pop(rid), "failed")
                 for out in engine.step():
                     job = pending.pop(out.request_id, None) if out.finished else None
                     if job is None:
@@ -279,17 +294,37 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                         table = engine.block_manager.block_table(out.request_id)[job.dest_cached_tokens // bs :]
                         data = [read_blocks(engine.runner.kv_cache, part) for part in chunked(table)]
                     engine.release(out.request_id)
+                    self._end_writes(job, "success")
                     metrics.PREFIX_QUERIES.labels("prefill").inc(len(job.prompt))
                     metrics.PREFIX_HITS.labels("prefill").inc(out.num_cached_tokens)
                     _settle(job, PrefillResult(out.token_ids[0], data, (time.perf_counter() - start) * 1e3,
                                                out.num_cached_tokens))  # fmt: skip
         finally:
-            for rid in pending:
+            for rid, job in pending.items():
                 self._drop(rid)
+                self._end_writes(job, "failed")
 
     def _count_cancelled(self) -> None:
         self.num_cancelled += 1
         metrics.REQUESTS.labels("prefill", "aborted").inc()
+
+    def _end_writes(self, job: PrefillJob, state: str) -> None:
+        """End ``job``'s lease (``success`` or ``failed``) once no write of ours into its destination pool can
+        still land: on a GPU the copies are queued on the stream, so the Redis thread waits for them first."""
+        if job.dest_pool is None or job.writes_ended or self.registry is None:
+            return
+        job.writes_ended = True
+        written = None
+        if self.engine.runner.device.type == "cuda":
+            written = torch.cuda.Event()
+            written.record()
+
+        def end() -> None:
+            if written is not None:
+                written.synchronize()
+            self.registry.end_lease(job.request_id, self.worker_id, state)
+
+        self._lease_ends.submit(end)
 
     def _drop(self, rid: str) -> None:
         self.engine.abort(rid)

@@ -90,7 +90,7 @@ def test_no_blocks_leak_after_the_faults(two_by_two):
         workers = registry.workers("decode")
         return len(workers) == 2 and all(w.free_blocks == w.total_blocks for w in workers)
 
-    # blocks a killed prefill worker was writing stay quarantined until their lease ends (--prefill-timeout-s)
+    # blocks a killed prefill worker was writing are held until its restarted successor ends its leases
     took_s = _wait(all_free, 20, f"every decode worker idle with all blocks free: {registry.workers('decode')}")
     print(f"\nall decode blocks free {took_s:.1f} s after the load")
     raw = redis.Redis.from_url(c.redis_url)

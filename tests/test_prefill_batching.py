@@ -39,8 +39,9 @@ def _file_checksum(path, pool, block_ids: list[int]) -> str:
     return hasher.hexdigest()
 
 
-def _serve_prefill(engine, max_wait_ms):
-    worker = PrefillWorker(engine, "prefill-b", "", TEST_SECURITY, max_batch_tokens=4096, max_wait_ms=max_wait_ms)
+def _serve_prefill(engine, max_wait_ms, registry=None):
+    worker = PrefillWorker(engine, "prefill-b", "", TEST_SECURITY, max_batch_tokens=4096, max_wait_ms=max_wait_ms,
+                           registry=registry)  # fmt: skip
     worker.loop.start()
     server = InProcessServer({"Prefill": worker})
     return worker, server, server.address
@@ -120,3 +121,62 @@ def test_expired_lease_quarantines_blocks_and_the_request_completes(engine_promp
             prefill.stop()
             engine.close()
             registry.stop()
+
+
+@pytest.mark.slow
+def test_blocks_of_an_abandoned_prefill_are_freed_when_the_writer_ends_its_lease(engine_prompts):
+    """A client gives up while its prompt waits in a prefill worker's batch: the decode worker holds the blocks
+    back (the writer may still touch them) until the writer ends its lease in Redis, long before the lease's
+    60 s run out."""
+    with EmbeddedRedis() as redis:
+        registry = Registry(redis.url, security=TEST_SECURITY, ttl_s=30)
+        prefill_engine = LLMEngine(model="default", num_blocks=64, block_size=16)
+        prefill, prefill_server, prefill_address = _serve_prefill(prefill_engine, max_wait_ms=1500, registry=registry)
+        registry.register(WorkerInfo(worker_id="prefill-b", role="prefill", address=prefill_address,
+                                     fingerprint=prefill.fingerprint))  # fmt: skip
+        engine = LLMEngine(model="default", num_blocks=32, block_size=16, shared_kv_name="decode-q")
+        aio = AsyncioThread()
+        decode = DecodeWorker(engine, "decode-q", "127.0.0.1:0", aio, TEST_SECURITY,
+                              Registry(redis.url, security=TEST_SECURITY), prefill_timeout_s=60.0,
+                              prefill_ms_per_token=0, shm_path=str(engine.runner.kv_pool_path))  # fmt: skip
+        decode.loop.start()
+        server = InProcessServer({"Decode": decode}, aio=aio)
+        try:
+            sampling = pb.SamplingOptions(temperature=0, max_tokens=8, ignore_eos=True)
+            request = pb.DecodeRequest(request_id="gone", prompt_token_ids=engine_prompts[5], sampling=sampling)
+            with grpc.insecure_channel(server.address) as channel:
+                call = pb_grpc.DecodeStub(channel).Generate(request, timeout=120, metadata=TEST_SECURITY.metadata())
+                deadline = time.monotonic() + 20
+                while not registry_has_lease(redis.url):
+                    assert time.monotonic() < deadline, "the prefill was never leased"
+                    time.sleep(0.02)
+                call.cancel()
+            deadline = time.monotonic() + 20
+            while decode.quarantine.num_held == 0:
+                assert time.monotonic() < deadline, "the abandoned blocks were not held back"
+                time.sleep(0.02)
+            start = time.monotonic()
+            while engine.block_manager.num_free_blocks != engine.block_manager.num_blocks:
+                assert time.monotonic() - start < 15, "held blocks were not freed when the writer ended its lease"
+                time.sleep(0.05)
+            assert decode.quarantine.num_freed_early == 1  # by the writer's word, not by the 60 s deadline
+            assert prefill.num_cancelled == 1
+            deadline = time.monotonic() + 5
+            while registry_has_lease(redis.url):  # the holder deleted the ended lease
+                assert time.monotonic() < deadline, "the ended lease was left in Redis"
+                time.sleep(0.05)
+        finally:
+            server.stop()
+            decode.stop()
+            aio.stop()
+            prefill_server.stop()
+            prefill.stop()
+            engine.close()
+            registry.stop()
+
+
+def registry_has_lease(url: str) -> bool:
+    import redis as redis_client
+
+    with redis_client.Redis.from_url(url) as raw:
+        return bool(raw.keys("kvserve:lease:*"))

@@ -138,18 +138,42 @@ def test_lease_lifecycle_and_expiry(registry: Registry, raw: redis.Redis) -> Non
     assert lease is not None
     assert (lease.decode_id, lease.prefill_id, lease.block_ids, lease.state) == ("d0", "p0", [7, 3, 9], "pending")
 
-    assert registry.update_lease_state("req-1", "transferring")  # the state is not signed: it still verifies
-    assert registry.get_lease("req-1").state == "transferring"
-    with pytest.raises(ValueError, match="lease state"):
-        registry.update_lease_state("req-1", "half-done")
+    assert registry.end_lease("req-1", "p0", "success")  # the writer's final state, signed by the writer
+    assert registry.get_lease("req-1").state == "success"
+    with pytest.raises(ValueError, match="lease ends"):
+        registry.end_lease("req-1", "p0", "pending")
 
     _wait_for(lambda: registry.get_lease("req-1") is None, timeout_s=1.0)
-    assert not registry.update_lease_state("req-1", "success")
+    assert not registry.end_lease("req-1", "p0", "failed")
     assert not raw.exists("kvserve:lease:req-1")  # the late update did not recreate a TTL-less hash
 
     registry.put_lease("req-2", decode_id="d0", prefill_id="p0", block_ids=[1], ttl_s=30)
     registry.delete_lease("req-2")
     assert registry.get_lease("req-2") is None
+
+
+def test_only_the_writer_can_end_its_lease(registry: Registry, raw: redis.Redis) -> None:
+    registry.put_lease("req-1", decode_id="d0", prefill_id="p0", block_ids=[4], ttl_s=30)
+    raw.hset("kvserve:lease:req-1", "state", "failed")  # forged in Redis: no writer's signature
+    assert registry.get_lease("req-1").state == "pending"
+    registry.end_lease("req-1", "p1", "failed")  # signed, but by a worker the lease does not name
+    assert registry.get_lease("req-1").state == "pending"
+    registry.end_lease("req-1", "p0", "failed")
+    assert registry.get_lease("req-1").state == "failed"
+    registry.delete_lease("req-1", "p1")  # a retry's new lease is not deleted by an old holder's cleanup
+    assert registry.get_lease("req-1") is not None
+    registry.delete_lease("req-1", "p0")
+    assert registry.get_lease("req-1") is None
+
+
+def test_a_restarted_writer_ends_the_leases_its_predecessor_left(registry: Registry) -> None:
+    for rid, writer in (("a", "p0"), ("b", "p0"), ("c", "p1")):
+        registry.put_lease(rid, decode_id="d0", prefill_id=writer, block_ids=[1, 2], ttl_s=30)
+    registry.end_lease("b", "p0", "success")
+    assert registry.end_leases_of("p0") == 1  # "b" had already ended
+    assert [registry.get_lease(rid).state for rid in "abc"] == ["failed", "success", "pending"]
+    for rid in "abc":
+        registry.delete_lease(rid)
 
 
 def test_prefix_owners_counts_leading_blocks_only(registry: Registry) -> None:
@@ -277,7 +301,8 @@ def test_killed_redis_restarted_empty_relearns_the_worker_and_resyncs(caplog: py
                 (lambda: reg.prefix_index.owners(["h0"]), {}),
                 (lambda: reg.put_lease("r", "d0", "p0", [1], ttl_s=5), False),
                 (lambda: reg.get_lease("r"), None),
-                (lambda: reg.update_lease_state("r", "failed"), False),
+                (lambda: reg.end_lease("r", "p0", "failed"), False),
+        (lambda: reg.end_leases_of("p0"), 0),
                 (lambda: reg.delete_lease("r"), None),
             ]
             for call, fallback in calls:
