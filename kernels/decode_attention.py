@@ -31,27 +31,61 @@ import triton.language as tl
 
 from kernels.tiles import LOG2E, attend_paged, dot_precision, padded
 
-# (head_dim padded, any INT8 cache) -> (tokens per tile, num_warps, num_stages). Chosen from what Triton
-# 3.9 generates for sm_90 (no spills, cp.async loads, registers low enough for 3+ programs per SM), not
-# from measurements. Triton keeps one shared-memory buffer per K/V tile here (the block-table load makes
-# the K/V loads indirect), so load latency is hidden by several resident programs per SM rather than by
-# deep pipelining: a 16-bit tile pair is 32 KiB and uses ~96 registers per thread at 4 warps. INT8
-# tiles upcast in registers, which costs more of them, hence the shorter tiles.
-_CONFIGS = {
-    (64, False): (128, 4, 3),
-    (128, False): (64, 4, 3),
-    (256, False): (32, 4, 3),
-    (64, True): (64, 4, 3),
-    (128, True): (32, 4, 3),
+# Tile configs: (tokens per tile, num_warps, num_stages), keyed by (head_dim padded, KV cache dtype), where the
+# KV cache dtype is the engine's name for it: "auto" (the model's 16-bit dtype), "int8_v" or "int8".
+#
+# Measured: per GPU (``torch.cuda.get_device_name()``, or "sm_XY" for a whole architecture), the fastest
+# config of a ``python -m kernels.bench --sweep`` on that GPU, which prints these entries ready to paste.
+_MEASURED_CONFIGS: dict[str, dict[tuple[int, str], tuple[int, int, int]]] = {
+    "NVIDIA H200": {
+        # 2026-11-30, batch 64, ctx 2048, 32:8: 138.8 us = 3.87 TB/s, against 180.5 us for (64, 4, 3).
+        (128, "auto"): (64, 4, 2),
+    },
+}
+# Not measured: chosen from what Triton 3.9 generates for sm_90 (no spills, cp.async loads, registers low
+# enough for 3+ programs per SM); used wherever the table above has no entry. Triton keeps one shared-memory
+# buffer per K/V tile here (the block-table load makes the K/V loads indirect), so load latency is hidden by
+# several resident programs per SM rather than by deep pipelining: a 16-bit tile pair is 32 KiB and uses ~96
+# registers per thread at 4 warps. INT8 tiles upcast in registers, which costs more of them, hence the
+# shorter tiles.
+_FALLBACK_CONFIGS = {
+    (64, "auto"): (128, 4, 3),
+    (128, "auto"): (64, 4, 3),
+    (256, "auto"): (32, 4, 3),
+    (64, "int8_v"): (64, 4, 3),
+    (64, "int8"): (64, 4, 3),
+    (128, "int8_v"): (32, 4, 3),
+    (128, "int8"): (32, 4, 3),
 }
 _DEFAULT_CONFIG = (32, 4, 2)
 _MAX_SPLITS = 64
 _PROGRAMS_PER_SM = 4  # enough loads in flight per SM; ~5 such programs fit on an SM (registers, smem)
 
 
-def default_tile_config(head_dim: int, is_int8: bool) -> tuple[int, int, int]:
-    """(tokens per tile, num_warps, num_stages) for a head dim and whether any cache is INT8."""
-    return _CONFIGS.get((padded(head_dim), is_int8), _DEFAULT_CONFIG)
+def kv_cache_dtype(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> str:
+    """The engine's name of a cache layout from which of K and V carry INT8 scales."""
+    return "int8" if k_scale is not None else "int8_v" if v_scale is not None else "auto"
+
+
+@functools.cache
+def gpu_keys(device: torch.device | None) -> tuple[str, ...]:
+    """The keys of ``_MEASURED_CONFIGS`` that may describe ``device``, most specific first (none off-GPU)."""
+    if device is None or device.type != "cuda":
+        return ()
+    major, minor = torch.cuda.get_device_capability(device)
+    return torch.cuda.get_device_name(device), f"sm_{major}{minor}"
+
+
+def default_tile_config(
+    head_dim: int, kv_dtype: str = "auto", device: torch.device | None = None
+) -> tuple[int, int, int]:
+    """(tokens per tile, num_warps, num_stages) for a head dim and KV cache dtype on ``device``: the measured
+    entry for that GPU when there is one, else the unmeasured fallback."""
+    key = (padded(head_dim), kv_dtype)
+    for gpu in gpu_keys(device):
+        if key in _MEASURED_CONFIGS.get(gpu, {}):
+            return _MEASURED_CONFIGS[gpu][key]
+    return _FALLBACK_CONFIGS.get(key, _DEFAULT_CONFIG)
 
 
 @functools.cache
@@ -206,7 +240,7 @@ def paged_decode_attention(
     """Triton twin of ``reference.paged_decode_attention``.
 
     ``num_splits`` and ``tile_config`` = (tokens per tile, num_warps,
-    num_stages) override the heuristic and ``_CONFIGS`` (tests, the bench's sweep).
+    num_stages) override the heuristic and ``default_tile_config`` (tests, the bench's sweep).
 
     The split heuristic bounds the sequence length by the block table's width,
     so no device-to-host copy is needed (the call is CUDA-graph safe).
@@ -219,8 +253,8 @@ def paged_decode_attention(
         raise ValueError("q, k_cache, v_cache and block_tables need a contiguous last dimension")
     group = num_q_heads // num_kv_heads
     head_dim_pad = padded(head_dim)
-    is_int8 = k_scale is not None or v_scale is not None
-    tile_tokens, num_warps, num_stages = tile_config or default_tile_config(head_dim, is_int8)
+    tile_config = tile_config or default_tile_config(head_dim, kv_cache_dtype(k_scale, v_scale), q.device)
+    tile_tokens, num_warps, num_stages = tile_config
     if num_splits is None:
         max_seq_len = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_tokens, _num_sms(q.device))

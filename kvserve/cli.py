@@ -76,7 +76,9 @@ def _up(args: argparse.Namespace) -> None:
     try:
         cluster = start_cluster(num_prefill=args.prefill, num_decode=args.decode, port=args.port,
                                 http_port=args.http_port, redis_url=args.redis_url,
-                                engine_argv=engine_args_to_argv(args), security=security,
+                                engine_argv=engine_args_to_argv(args),
+                                prefill_gpu_memory_utilization=args.prefill_gpu_memory_utilization,
+                                decode_gpu_memory_utilization=args.decode_gpu_memory_utilization, security=security,
                                 security_argv=security_argv, threads=args.threads,
                                 drain_timeout_s=args.drain_timeout, log_dir=args.log_dir)  # fmt: skip
     except KeyboardInterrupt:
@@ -172,6 +174,12 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--drain-timeout", type=float, default=30.0,
                     help="seconds a stopping worker may finish its requests before it is killed")  # fmt: skip
     up.add_argument("--log-dir", default=None, help="one <name>.log per process (default: the launcher's stderr)")
+    up.add_argument("--prefill-gpu-memory-utilization", type=float, default=0.35,
+                    help="fraction of the GPU's total memory the prefill workers use together (weights "
+                         "included; split evenly; passed to each as its --gpu-memory-utilization)")  # fmt: skip
+    up.add_argument("--decode-gpu-memory-utilization", type=float, default=0.5,
+                    help="the same for the decode workers; both roles share the one GPU, so the two add up to "
+                         "at most 1")  # fmt: skip
     add_security_args(up)
     add_engine_args(up)
     up.set_defaults(func=_up)

@@ -11,7 +11,9 @@ environment (never its command line, which ``ps`` shows):
 
 Every child is started with ``die_with_parent`` and in its own process group: a SIGKILLed launcher takes
 its children along, and a terminal's Ctrl-C reaches the launcher only, which then stops them all (each drains).
-Compute workers get ``--threads``: their share of the host's cores, so they do not preempt each other.
+Compute workers get ``--threads``: their share of the host's cores, so they do not preempt each other, and
+``--gpu-memory-utilization``: their share of the GPU's total memory, since every worker runs on the same GPU
+(``gpu_memory_shares``; ignored on the CPU).
 """
 
 from __future__ import annotations
@@ -209,6 +211,19 @@ def threads_per_worker(num_compute_workers: int, threads: int | None = None) -> 
     return threads or max(1, host_cores() // max(1, num_compute_workers))
 
 
+def gpu_memory_shares(prefill: float, decode: float, num_prefill: int, num_decode: int) -> dict[str, float]:
+    """Each worker's ``--gpu-memory-utilization`` by role, when the whole cluster shares one GPU: ``prefill``
+    and ``decode`` are the fractions of the GPU's total memory each role's workers may use together, split
+    evenly between them. Raises ``ValueError`` when the roles together ask for more than the GPU."""
+    for role, share in (("prefill", prefill), ("decode", decode)):
+        if not 0 < share <= 1:
+            raise ValueError(f"{role} GPU memory utilization must be in (0, 1], got {share}")
+    if prefill + decode > 1:
+        raise ValueError(f"prefill ({prefill}) and decode ({decode}) GPU memory utilizations add up to more than "
+                         "the whole GPU, which their workers share")  # fmt: skip
+    return {"prefill": prefill / max(1, num_prefill), "decode": decode / max(1, num_decode)}
+
+
 def _child_env(shm_dir: Path, security: Security) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", SHM_DIR_ENV: str(shm_dir)}
     env.pop(TOKEN_FILE_ENV, None)
@@ -229,6 +244,8 @@ def start_cluster(
     engine_argv: list[str] | None = None,
     decode_argv: list[str] | None = None,
     prefill_argv: list[str] | None = None,
+    prefill_gpu_memory_utilization: float = 0.35,
+    decode_gpu_memory_utilization: float = 0.5,
     security: Security | None = None,
     security_argv: list[str] | None = None,
     threads: int | None = None,
@@ -240,11 +257,15 @@ def start_cluster(
 
     ``security`` is the launcher's own (a fresh random token when ``None``); its token reaches the children
     through their environment, and ``security_argv`` (``--insecure-internal``, ``--tls-*``) is passed to
-    every child as it is. Raises ``RuntimeError`` (after stopping what started) when a process exits or
-    does not answer within ``startup_timeout_s``.
+    every child as it is. ``*_gpu_memory_utilization``: see ``gpu_memory_shares`` (the defaults leave 15%
+    of the GPU to other processes). Raises ``ValueError`` for shares that do not fit, before starting
+    anything, and ``RuntimeError`` (after stopping what started) when a process exits or does not answer
+    within ``startup_timeout_s``.
     """
+    shares = gpu_memory_shares(prefill_gpu_memory_utilization, decode_gpu_memory_utilization, num_prefill,
+                               num_decode)  # fmt: skip
     engine_argv = engine_argv or ["--model", "default"]
-    model = engine_argv[engine_argv.index("--model") + 1] if "--model" in engine_argv else "default"
+    model = _flag_value(engine_argv, "--model", "default")
     resolve_model(model)  # convert the bundled model once, before the workers race for it
     security = security or Security(token=secrets.token_urlsafe(32))
     security_argv = security_argv or []
@@ -265,9 +286,10 @@ def start_cluster(
     env = _child_env(shm_dir, security)
     worker_argv = ["--threads", str(threads_per_worker(num_prefill + num_decode, threads)),
                    "--drain-timeout", str(drain_timeout_s), *security_argv, *engine_argv]  # fmt: skip
-    specs = [(f"decode-{i}", "decode", p, [*worker_argv, *(decode_argv or [])]) for i, p in enumerate(decode_ports)]
-    specs += [(f"prefill-{i}", "prefill", p, [*worker_argv, *(prefill_argv or [])])
-              for i, p in enumerate(prefill_ports)]  # fmt: skip
+    role_argv = {role: [*worker_argv, "--gpu-memory-utilization", str(shares[role]), *(extra or [])]
+                 for role, extra in (("decode", decode_argv), ("prefill", prefill_argv))}  # fmt: skip
+    specs = [(f"decode-{i}", "decode", p, role_argv["decode"]) for i, p in enumerate(decode_ports)]
+    specs += [(f"prefill-{i}", "prefill", p, role_argv["prefill"]) for i, p in enumerate(prefill_ports)]
     try:
         for name, role, child_port, extra in specs:
             metrics_port = child_port + metrics_offset
@@ -277,6 +299,8 @@ def start_cluster(
                                            f"http://{host}:{metrics_port}/metrics"))  # fmt: skip
         router_argv = [sys.executable, "-m", "router", "--host", host, "--port", str(port), "--redis-url", url,
                        "--http-port", str(http_port), "--model", model, *security_argv]  # fmt: skip
+        if "--skip-tokenizer-init" in engine_argv:  # a model without a tokenizer: token-id prompts only
+            router_argv += ["--skip-tokenizer-init", _flag_value(engine_argv, "--skip-tokenizer-init", "false")]
         router_metrics = f"{cluster.http_endpoint}/metrics" if cluster.http_endpoint else "-"
         cluster.children.append(_child("router", "router", cluster.endpoint, router_argv, env, security, log_dir,
                                        router_metrics))  # fmt: skip
@@ -292,6 +316,12 @@ def start_cluster(
     except BaseException:
         cluster.stop()
         raise
+
+
+def _flag_value(argv: list[str], flag: str, default: str) -> str:
+    """The value after the last ``flag`` in ``argv`` (argparse's rule: the last one wins)."""
+    positions = [i for i, word in enumerate(argv[:-1]) if word == flag]
+    return argv[positions[-1] + 1] if positions else default
 
 
 def _wait_registered(url: str, security: Security, worker_ids: set[str], deadline: float) -> None:

@@ -234,10 +234,25 @@ def open_cuda_ipc_pool(spec: KVCacheSpec, num_blocks: int, exported: bytes) -> K
     nbytes = spec.total_bytes(num_blocks)
     if f["nbytes"] != nbytes:
         raise ValueError(f"exported KV pool has {f['nbytes']} bytes, expected {nbytes}: layouts differ")
-    storage = torch.UntypedStorage._new_shared_cuda(
-        f["device"], bytes.fromhex(f["handle"]), f["size"], f["offset"], bytes.fromhex(f["ref_handle"]),
-        f["ref_offset"], bytes.fromhex(f["event_handle"]), f["event_sync"],
-    )  # fmt: skip
     device = torch.device("cuda", f["device"])
-    buffer = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
+    with torch.cuda.device(device):
+        _init_cuda(device)
+        storage = torch.UntypedStorage._new_shared_cuda(
+            f["device"], bytes.fromhex(f["handle"]), f["size"], f["offset"], bytes.fromhex(f["ref_handle"]),
+            f["ref_offset"], bytes.fromhex(f["event_handle"]), f["event_sync"],
+        )  # fmt: skip
+        buffer = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
     return KVCache(spec, num_blocks, device, buffer=buffer)
+
+
+def _init_cuda(device: torch.device) -> None:
+    """Make CUDA usable on ``device`` in this process and thread before opening an IPC handle there.
+
+    ``_new_shared_cuda`` goes straight to the caching allocator's IPC map and the CUDA driver: in a process
+    that has not used CUDA yet the allocator is not set up and there is no context on the device, and it
+    dies with SIGSEGV (torch's own ``rebuild_cuda_tensor`` calls ``_lazy_init`` first for the same reason).
+    ``torch.cuda.init`` sets up torch's CUDA state; a one-byte allocation creates the device's primary
+    context and makes it current on this thread (the prefill worker opens pools on its event-loop thread).
+    """
+    torch.cuda.init()
+    torch.empty(1, dtype=torch.uint8, device=device)

@@ -12,16 +12,20 @@ import argparse
 import asyncio
 import logging
 import signal
+from typing import TYPE_CHECKING
 
 from engine.bundled import resolve_model
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
 from kvstore.registry import Registry
-from router.openai_api import HttpServer, create_app
 from router.routing import RoutingWeights
 from router.server import Router
 from rpc.auth import Security, add_security_args, security_from_args
+from rpc.flags import boolean_flag
 from rpc.server import add_service, new_server, set_not_serving, start_server
+
+if TYPE_CHECKING:
+    from router.openai_api import HttpServer
 
 log = logging.getLogger("router")
 
@@ -32,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP API's port; 0: none")
     parser.add_argument("--model", default="default")
+    parser.add_argument("--skip-tokenizer-init", type=boolean_flag, default=False,
+                        help="load no tokenizer (a model without one): prompts must be token ids")  # fmt: skip
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--decode-address", action="append", default=[], help="static decode workers (no Redis)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
@@ -57,10 +63,13 @@ def main(argv: list[str] | None = None) -> None:
         weights = RoutingWeights(args.route_block_weight, args.route_load_weight, args.route_balance_threshold)
     except ValueError as err:
         parser.error(str(err))
-    router = Router(Tokenizer(path), config.vocab_size, config.max_context, security, registry, args.decode_address,
+    tokenizer = None if args.skip_tokenizer_init else Tokenizer(path)
+    router = Router(tokenizer, config.vocab_size, config.max_context, security, registry, args.decode_address,
                     weights=weights)  # fmt: skip
     http = None
     if args.http_port:
+        from router.openai_api import HttpServer, create_app  # fastapi and uvicorn: only for the HTTP API
+
         try:
             http = HttpServer(create_app(router, path.name), args.host, args.http_port, args.tls_cert, args.tls_key,
                               args.tls_ca)  # fmt: skip

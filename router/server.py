@@ -70,7 +70,7 @@ class Router(pb_grpc.InferenceServicer):
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         vocab_size: int,
         max_context: int,
         security: Security,

@@ -14,7 +14,7 @@ from rpc.auth import add_security_args
 log = logging.getLogger(__name__)
 
 
-def _boolean(text: str) -> bool:
+def boolean_flag(text: str) -> bool:
     """A flag value of ``true`` or ``false`` (any case; ``str(bool)`` round-trips)."""
     value = {"true": True, "false": False}.get(text.lower())
     if value is None:
@@ -32,7 +32,8 @@ _ENGINE_FLAGS = {
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
     "max_model_len": int,
-    "enable_prefix_caching": _boolean,
+    "enable_prefix_caching": boolean_flag,
+    "skip_tokenizer_init": boolean_flag,
 }
 
 
@@ -44,6 +45,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     given = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
+    if getattr(args, "gpu_memory_utilization", None) is not None:  # a worker's own share (``add_worker_args``)
+        given["gpu_memory_utilization"] = args.gpu_memory_utilization
     return EngineConfig(model=args.model, **given)
 
 
@@ -70,6 +73,9 @@ def add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> None:
                         help="HTTP port of this worker's Prometheus /metrics (0: any free port, logged)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds SIGTERM waits for running requests before ending them")
+    # not an engine flag of ``kvserve up``: workers sharing a GPU each get their own (see kvserve.cluster)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="fraction of the GPU's total memory this worker may use, weights included (default 0.9)")
     add_security_args(parser)
     add_engine_args(parser)
 

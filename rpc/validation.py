@@ -38,7 +38,7 @@ CHAT_ROLES = ("system", "user", "assistant")
 
 
 def validate_generate(
-    request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_context: int
+    request: pb.GenerateRequest, tokenizer: Tokenizer | None, vocab_size: int, max_context: int
 ) -> tuple[list[int], SamplingParams]:
     """A public request's prompt token ids and its ``SamplingParams``, or ``ValueError``.
 
@@ -90,12 +90,14 @@ def validate_sampling(
     return params
 
 
-def _prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, max_context: int) -> Sequence[int]:
+def _prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, max_context: int) -> Sequence[int]:
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise ValueError("the request has no prompt: set text, token_ids or chat")
     if kind == "token_ids":
         return request.token_ids.ids
+    if tokenizer is None:
+        raise ValueError(f"this cluster's model has no tokenizer (--skip-tokenizer-init): send token_ids, not {kind}")
     if kind == "text":
         if not request.text:
             raise ValueError("prompt text is empty")

@@ -1,35 +1,82 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 3 and 4 in one run, for a session lent an NVIDIA GPU (the device tool).
+# Every GPU check of issue 8 (and of issues 3 and 4) in one run, for a session lent an NVIDIA GPU (the device tool).
 #   here first:  bash scripts/gpu_wheels.sh          (the packages the GPU machine lacks, into .whl/)
 #   then:        device run, command "bash scripts/gpu_check.sh", carry [".whl"], timeout_s 560
-# About 5 minutes on an H200. Each step's output is also written to $OUT/<step>.txt.
-#   kernels-bench  issue 3's table: decode vs SDPA (flash), INT8 KV vs bf16, store_kvcache vs a copy, tile sweep
-#   gpu-tests      every test marked gpu: Triton kernels in bf16 at large shapes, the engine on CUDA
-#                  (random Qwen2-0.5B-shaped model vs transformers), the cuda_ipc hand-off between two processes
-#   cuda-ipc       issue 4's hand-off of a 2,048-token Qwen2-0.5B-shaped KV into another process's pool
-#   offline        the engine vs transformers generate on a random Qwen2-0.5B (24 layers), same run
+# Each step runs under its own limit (seconds; 470 together, so that with the wheels' install and the
+# machine's start the call takes at most 9 minutes); its output is also written to $OUT/<step>.txt.
+#   kernels-bench  70  decode tile-config sweep (bf16, int8_v, int8 at batch 64, ctx 8192, 32:8, d128; bf16
+#                      d128 ctx 2048 and d64): INT8 vs bf16, and _MEASURED_CONFIGS entries for this GPU
+#   gpu-tests      85  every test marked gpu under tests/
+#   cuda-ipc       20  kvserve bench cuda_ipc: a 2,048-token Qwen2-0.5B KV into another process's pool
+#   random-model   25  a random Qwen2-0.5B (24 layers, bf16) in /tmp/qwen2-0.5b
+#   offline       130  kvserve bench offline: a profile of decode steps (launches per layer, GPU busy; eager
+#                      and CUDA graphs), then batches of 1, 64, 256 prompts of 128 tokens, 256 new tokens
+#                      each: the engine against transformers' static cache + torch.compile (which
+#                      compiles per batch size: the 256 row is the first to go if that is slow)
+#   nano-vllm      40  nano-vllm's workload (256 requests, 100-1,024 tokens in and out), the engine alone
+#   cluster       100  kvserve bench serve --device cuda: TTFT/TPOT of a 1P+1D cluster on this GPU against the
+#                      offline engine, and the KV hand-off of a 2,048-token prompt
+# GPU_CHECK_SMOKE=1 (tests/test_gpu_check_script.py, on a CPU) runs the same command lines with tiny sizes
+# on the model directory GPU_CHECK_MODEL, with $PYTHON and no wheels; a step marked --smoke-parse (it needs
+# CUDA, or minutes of a CPU) then only parses its command line.
 set -uo pipefail
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "carry .whl (bash scripts/gpu_wheels.sh)"; exit 1; }
-export PYTHONPATH=".:/tmp/site" PYTHONUNBUFFERED=1
+smoke=${GPU_CHECK_SMOKE:-0}
+py=${PYTHON:-python3}
+if [ "$smoke" = 1 ]; then
+    model=${GPU_CHECK_MODEL:?GPU_CHECK_SMOKE=1 needs GPU_CHECK_MODEL, a small model directory}
+    batch_sizes=1,2 prompt_len=8 max_tokens=4 profile_batch=2 profile_steps=2 nano_requests=3 nano_lengths=4,8
+    export PYTHONPATH=. PYTHONUNBUFFERED=1
+else
+    model=/tmp/qwen2-0.5b
+    batch_sizes=1,64,256 prompt_len=128 max_tokens=256 profile_batch=64 profile_steps=10 nano_requests=256
+    nano_lengths=100,1024
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "carry .whl (bash scripts/gpu_wheels.sh)"; exit 1; }
+    export PYTHONPATH=".:/tmp/site" PYTHONUNBUFFERED=1
+fi
 
-step() {  # step NAME SECONDS COMMAND...
+# Runs `python -m MODULE ARGS...` as if for real, but exits 0 as soon as MODULE's argparse accepted ARGS
+# (its `parse_args` errors and exits 2 otherwise); exits 3 if MODULE never parsed a command line.
+parse_only='
+import argparse, runpy, sys
+parse_args = argparse.ArgumentParser.parse_args
+def parsed(self, args=None, namespace=None):
+    parse_args(self, args, namespace)
+    print("command line accepted:", " ".join(sys.argv[1:]))
+    raise SystemExit(0)
+argparse.ArgumentParser.parse_args = parsed
+module = sys.argv[2]  # sys.argv: -c -m MODULE ARGS...
+sys.argv = [module, *sys.argv[3:]]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+sys.exit(3)
+'
+
+step() {  # step NAME SECONDS [--smoke-parse] -m MODULE ARGS...
     local name=$1 limit=$2
     shift 2
-    echo "=== $name: $*"
-    timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt"
+    local command=("$py")
+    if [ "$1" = --smoke-parse ]; then
+        shift
+        [ "$smoke" = 1 ] && command=("$py" -c "$parse_only")
+    fi
+    echo "=== $name: python3 $*"
+    timeout -k 3 "$limit" "${command[@]}" "$@" 2>&1 | tee "$out/$name.txt"
     echo "=== $name: exit ${PIPESTATUS[0]}"
 }
 
-{ git log -1 --format='commit %h %s' 2>/dev/null; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
+{ git log -1 --format='commit %h %s' 2>/dev/null
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  "$py" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
 } 2>&1 | tee "$out/machine.txt"
-step kernels-bench 200 python3 -m kernels.bench --sweep
-step gpu-tests 200 python3 -m pytest -q -s -rs -m gpu -p no:cacheprovider tests/kernels tests/test_cuda_ipc.py \
-    tests/test_engine_device.py
-step cuda-ipc 60 python3 -m kvserve.bench.cuda_ipc
-step random-model 90 python3 -c 'from engine.random_model import write_random_model as w; w("/tmp/qwen2-0.5b", "qwen2-0.5b", device="cuda")'
-step offline 120 python3 -m kvserve.bench.offline --model /tmp/qwen2-0.5b --num-prompts 256 --min-len 16 \
-    --max-len 1024 --max-tokens 128 --max-num-batched-tokens 8192
+step kernels-bench 70 -m kernels.bench --sweep-only
+step gpu-tests 85 -m pytest -q -s -rs -m gpu -p no:cacheprovider tests
+step cuda-ipc 20 -m kvserve.bench.cuda_ipc
+step random-model 25 --smoke-parse -m kvserve.cli model random --like qwen2-0.5b --out "$model" --dtype bfloat16
+step offline 130 -m kvserve.bench.offline --model "$model" --baseline hf-static --batch-sizes "$batch_sizes" \
+    --prompt-len "$prompt_len" --max-tokens "$max_tokens" --profile --profile-batch "$profile_batch" \
+    --profile-steps "$profile_steps"
+step nano-vllm 40 -m kvserve.bench.offline --model "$model" --baseline none --workload nano-vllm \
+    --nano-requests "$nano_requests" --nano-lengths "$nano_lengths"
+step cluster 100 --smoke-parse -m kvserve.bench.serve --device cuda --model "$model"

@@ -1,10 +1,15 @@
-"""cuda_ipc: a second real process opens the decode pool's exported handle and writes KV into its blocks."""
+"""cuda_ipc: a second real process opens the decode pool's exported handle and writes KV into its blocks.
+
+The opener may be a process that has never used CUDA (a prefill worker opens pools on its event-loop
+thread; ``kvserve bench cuda_ipc`` opens one first thing): opening must set CUDA up itself, not crash.
+"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,3 +58,57 @@ def test_second_process_writes_into_exported_pool():
     finally:
         owner.kill()
         owner.wait()
+
+
+# A process that has never touched CUDA: opens the handle (argv), prints the bytes of blocks 5 and 9 as it
+# reads them through the mapping, then writes K=1.5, V=-2.0 into layer 3's blocks 20 and 21.
+FRESH_OPENER = textwrap.dedent(
+    """
+    import sys, torch
+    assert not torch.cuda.is_initialized()
+    from kvstore import KVCacheSpec
+    from kvstore.transfer import open_cuda_ipc_pool, read_blocks
+    spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    remote = open_cuda_ipc_pool(spec, 64, sys.argv[1].encode())
+    print(read_blocks(remote, [5, 9]).hex(), flush=True)
+    layer = remote.layers[3]
+    layer.k_cache[[20, 21]] = 1.5
+    layer.v_cache[[20, 21]] = -2.0
+    torch.cuda.synchronize()
+    print("written", flush=True)
+    """
+)
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fresh_process_opens_exported_pool():
+    from kvstore import KVCache, KVCacheSpec
+    from kvstore.transfer import export_cuda_ipc, read_blocks
+
+    spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    written = torch.randint(0, 256, (spec.total_bytes(64),), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(0))  # fmt: skip
+    pool = KVCache(spec, 64, "cuda")
+    pool.buffer.copy_(written)
+    torch.cuda.synchronize()
+    expected = read_blocks(KVCache(spec, 64, "cpu", buffer=written.clone()), [5, 9])  # the host copy's bytes
+    opener = subprocess.run([sys.executable, "-c", FRESH_OPENER, export_cuda_ipc(pool).decode()], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert opener.returncode == 0, opener.stderr[-3000:]
+    seen, status = opener.stdout.split()
+    assert bytes.fromhex(seen) == expected
+    assert status == "written"
+    layer = pool.layers[3]
+    assert bool((layer.k_cache[[20, 21]] == 1.5).all()) and bool((layer.v_cache[[20, 21]] == -2.0).all())
+    host = KVCache(spec, 64, "cpu", buffer=written).layers[3]
+    others = [b for b in range(64) if b not in (20, 21)]
+    assert torch.equal(layer.k_cache[others].cpu().view(torch.int16), host.k_cache[others].view(torch.int16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bench_cuda_ipc_runs_in_a_fresh_process():
+    bench = subprocess.run([sys.executable, "-m", "kvserve.cli", "bench", "cuda_ipc", "--tokens", "256",
+                            "--repeats", "2"], cwd=REPO, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    assert "cuda_ipc hand-off" in bench.stdout and "256 tokens" in bench.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import signal
 import subprocess
 import sys
@@ -10,7 +11,9 @@ import urllib.request
 
 from cluster_utils import free_base_port
 
+from engine import EngineConfig
 from kvserve.client import Client
+from rpc.flags import add_worker_args, engine_config_from_args
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -25,10 +28,20 @@ def _scrape(url: str) -> dict[str, float]:
             for name, value in [line.rsplit(" ", 1)]}  # fmt: skip
 
 
+def _engine_config_of(worker_port: int) -> EngineConfig:
+    """The engine settings the worker listening on ``worker_port`` was started with, read from its command line."""
+    [line] = _processes_mentioning(f"--port {worker_port}")
+    parser = argparse.ArgumentParser()
+    add_worker_args(parser, default_port=0)
+    args, _ = parser.parse_known_args(line.split()[4:])  # after "PID PYTHON -m ROLE_service"
+    return engine_config_from_args(args)
+
+
 def test_up_serves_then_stops_cleanly(tmp_path):
     port = free_base_port()
     cmd = [sys.executable, "-m", "kvserve.cli", "up", "--port", str(port), "--http-port", str(port + 1),
-           "--num-blocks", "64", "--log-dir", str(tmp_path)]  # fmt: skip
+           "--num-blocks", "64", "--log-dir", str(tmp_path), "--prefill-gpu-memory-utilization", "0.3",
+           "--decode-gpu-memory-utilization", "0.45"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -60,7 +73,8 @@ def test_up_serves_then_stops_cleanly(tmp_path):
         routed = _scrape(f"http://127.0.0.1:{port + 1}/metrics")  # the router's, on its HTTP port
         assert routed['kvserve_router_requests_total{status="OK"}'] == 1
         assert sum(v for k, v in routed.items() if k.startswith("kvserve_router_decisions_total")) == 1
-        assert _processes_mentioning(f"--port {port + 10}")  # the decode worker is up
+        assert _engine_config_of(port + 10).gpu_memory_utilization == 0.45  # each role got its own share
+        assert _engine_config_of(port + 30).gpu_memory_utilization == 0.3
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
@@ -69,3 +83,12 @@ def test_up_serves_then_stops_cleanly(tmp_path):
         assert not _processes_mentioning(f"--port {worker_port}"), (
             f"a process on port {worker_port} outlived the cluster"
         )
+
+
+def test_up_refuses_gpu_shares_over_the_whole_gpu():
+    cmd = [sys.executable, "-m", "kvserve.cli", "up", "--port", str(free_base_port()),
+           "--prefill-gpu-memory-utilization", "0.6", "--decode-gpu-memory-utilization", "0.6"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "add up to more than the whole GPU" in done.stderr
+    assert "serving" not in done.stdout

@@ -1,6 +1,7 @@
 """The benchmarks, one module per bench, each with ``main(argv)``; ``kvserve bench NAME`` runs one:
 
-* ``offline``: the engine's ``LLM.generate`` against transformers' batched ``generate``;
+* ``offline``: the engine's ``LLM.generate`` against transformers' batched ``generate`` (dynamic or static
+  cache: ``hf_baseline``), nano-vllm's workload, and a profile of decode steps (``profile``);
 * ``serve``: TTFT and TPOT through a local 1P+1D cluster against the offline engine, one request at a time;
 * ``transfer``: the KV hand-off's cost, ``shm`` against ``grpc``;
 * ``cuda_ipc``: the KV hand-off between two processes on a GPU;

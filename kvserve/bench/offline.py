@@ -1,20 +1,39 @@
 """Offline throughput: the engine's ``LLM.generate`` against transformers' batched ``generate``, same run.
 
-    kvserve bench offline [--num-prompts 64] [--min-len 16] [--max-len 256] [--max-tokens 64]
+    kvserve bench offline [--model M] [--baseline hf|hf-static|none] [--no-compile]
+        [--num-prompts 64 --min-len 16 --max-len 256 --max-tokens 64]      random lengths (the default)
+        [--batch-sizes 1,64,256 --prompt-len 128 --max-tokens 256]         one row per batch size
+        [--workload nano-vllm [--nano-requests 256 --nano-lengths 100,1024]]
+        [--profile [--profile-batch 64 --profile-steps 10]]
 
-Both sides get the same prompts (random token ids of random lengths, seeded),
-produce exactly ``max_tokens`` new tokens each (EOS ignored), run in the same
-dtype with the same number of threads, and are timed after a warm-up.
-Transformers gets all prompts in one left-padded batch.
+Workloads, each timed after a warm-up, in one dtype and one thread count for both sides:
+
+* random lengths: ``--num-prompts`` prompts of ``--min-len``..``--max-len`` tokens, ``--max-tokens``
+  new tokens each, against the baseline (greedy, EOS ignored, the number of identical outputs printed);
+* ``--batch-sizes``: per batch size, that many ``--prompt-len``-token prompts with ``--max-tokens``
+  new tokens each, the engine and then the baseline, row by row;
+* ``--workload nano-vllm``: nano-vllm's benchmark, the engine alone: 256 requests whose prompt and
+  output lengths are uniform in 100..1,024, temperature 0.6, EOS ignored.
+
+``--baseline`` (``kvserve.bench.hf_baseline``): ``hf`` is transformers' dynamic cache, ``hf-static`` its
+static cache, which ``generate`` compiles with torch.compile on CUDA (``--no-compile`` turns that off).
+``--profile`` first prints what ``kvserve.bench.profile`` finds in a few decode steps, on an engine with
+``enforce_eager=True`` (the kernel launches per layer, GPU busy) and on the default one (CUDA graphs).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import time
 
 import torch
+
+from kvserve.bench.hf_baseline import BASELINES, TransformersBaseline
+from kvserve.bench.profile import DecodeProfile, profile_decode_steps
+
+NANO_VLLM_TEMPERATURE = 0.6
 
 
 def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -22,73 +41,163 @@ def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int = 0
     return [[rng.randrange(100, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
 
 
-def run_engine(llm, prompts, max_tokens) -> tuple[float, list[list[int]]]:
-    from engine import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+def run_engine(llm, prompts: list[list[int]], params) -> tuple[float, list[list[int]]]:
+    """(seconds, output token ids) of one ``generate``; ``params`` one for all prompts, or one per prompt."""
+    _sync(llm)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
+    _sync(llm)
     return time.perf_counter() - start, [o.token_ids for o in outs]
 
 
-def run_transformers(model_dir, prompts, max_tokens, dtype, device) -> tuple[float, list[list[int]]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
-    model.generation_config.eos_token_id = None  # same work as ignore_eos
-    width = max(len(p) for p in prompts)
-    pad = 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    with torch.inference_mode():
-        model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=4, do_sample=False, pad_token_id=pad)
-        start = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad)
-        elapsed = time.perf_counter() - start
-    return elapsed, out[:, width:].tolist()
+def _sync(llm) -> None:
+    if llm.engine.runner.device.type == "cuda":
+        torch.cuda.synchronize(llm.engine.runner.device)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="kvserve bench offline", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--min-len", type=int, default=16)
-    parser.add_argument("--max-len", type=int, default=256)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.5,
-        help="share of free GPU memory for the KV pool (transformers needs the rest)",
-    )
-    parser.add_argument("--skip-hf", action="store_true", help="time only the engine")
-    args = parser.parse_args(argv)
+def _greedy(max_tokens: int):
+    from engine import SamplingParams
 
-    from engine import LLM
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
-    # Token-id prompts in, token ids out: no tokenizer needed (random models of real shapes have none).
-    llm = LLM(args.model, max_num_batched_tokens=args.max_num_batched_tokens, skip_tokenizer_init=True,
-              gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
-    prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, llm.engine.model_config.vocab_size)
-    new_tokens = args.num_prompts * args.max_tokens
-    print(
-        f"{args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens, {args.max_tokens} new tokens each, "
-        f"dtype {llm.engine.runner.dtype}, device {llm.engine.runner.device}, {torch.get_num_threads()} threads"
-    )
-    engine_s, engine_tokens = run_engine(llm, prompts, args.max_tokens)
-    print(f"kvserve engine : {engine_s:7.2f} s  {new_tokens / engine_s:8.1f} output tokens/s")
-    if args.skip_hf:
+
+def _vocab(llm) -> int:
+    return llm.engine.model_config.vocab_size
+
+
+def random_lengths(llm, baseline: TransformersBaseline | None, args: argparse.Namespace) -> None:
+    prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, _vocab(llm))
+    max_tokens = args.max_tokens or 64
+    new_tokens = args.num_prompts * max_tokens
+    print(f"\n{args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens, {max_tokens} new tokens each")
+    llm.generate(prompts[:2], _greedy(4))  # warm-up
+    engine_s, engine_tokens = run_engine(llm, prompts, _greedy(max_tokens))
+    print(f"kvserve engine : {engine_s:7.2f} s  {new_tokens / engine_s:8.1f} output tokens/s", flush=True)
+    if baseline is None:
         return
-    from engine.bundled import resolve_model
-
-    runner = llm.engine.runner
-    hf_s, hf_tokens = run_transformers(resolve_model(args.model), prompts, args.max_tokens, runner.dtype, runner.device)
-    print(f"transformers   : {hf_s:7.2f} s  {new_tokens / hf_s:8.1f} output tokens/s")
+    hf_s, hf_tokens = baseline.run(prompts, max_tokens)
+    print(f"{baseline.name:<15}: {hf_s:7.2f} s  {new_tokens / hf_s:8.1f} output tokens/s")
     print(f"speed-up       : {hf_s / engine_s:.2f}x")
     same = sum(a == b for a, b in zip(engine_tokens, hf_tokens, strict=True))
     print(f"identical greedy outputs: {same}/{len(prompts)} (padding changes transformers' numerics slightly)")
+
+
+def batch_rows(llm, baseline: TransformersBaseline | None, batch_sizes: list[int], prompt_len: int,
+               max_tokens: int) -> None:  # fmt: skip
+    """One row per batch size: the engine, then the baseline, on the same prompts (engine warm-up prompts
+    differ from the timed ones, so the prefix cache cannot skip the timed prefill)."""
+    name = baseline.name if baseline else "baseline"
+    print(f"\n{prompt_len}-token prompts, {max_tokens} new tokens each, greedy, EOS ignored (output tokens/s)")
+    print(f"{'batch':>5} {'engine':>10} {name:>10} {'engine/' + name:>17}")
+    for batch in batch_sizes:
+        prompts = make_prompts(batch, prompt_len, prompt_len, _vocab(llm), seed=batch)
+        llm.generate(make_prompts(batch, prompt_len, prompt_len, _vocab(llm), seed=-batch), _greedy(2))
+        engine_s, _ = run_engine(llm, prompts, _greedy(max_tokens))
+        engine_rate = batch * max_tokens / engine_s
+        if baseline is None:
+            print(f"{batch:>5} {engine_rate:10.1f}", flush=True)
+            continue
+        baseline_rate = batch * max_tokens / baseline.run(prompts, max_tokens)[0]
+        print(f"{batch:>5} {engine_rate:10.1f} {baseline_rate:10.1f} {engine_rate / baseline_rate:16.2f}x", flush=True)
+
+
+def nano_vllm_workload(llm, num_requests: int, min_len: int, max_len: int) -> None:
+    """nano-vllm's benchmark: random prompt and output lengths, sampled at temperature 0.6, EOS ignored."""
+    from engine import SamplingParams
+
+    rng = random.Random(0)
+    vocab = min(10_000, _vocab(llm))
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_requests)]
+    params = [SamplingParams(temperature=NANO_VLLM_TEMPERATURE, ignore_eos=True,
+                             max_tokens=rng.randint(min_len, max_len)) for _ in range(num_requests)]  # fmt: skip
+    llm.generate(prompts[:2], _greedy(4))  # warm-up
+    seconds, tokens = run_engine(llm, prompts, params)
+    num_tokens = sum(len(t) for t in tokens)
+    print(f"\nnano-vllm workload: {num_requests} requests, prompts and outputs of {min_len}-{max_len} tokens, "
+          f"temperature {NANO_VLLM_TEMPERATURE}, EOS ignored")  # fmt: skip
+    print(f"kvserve engine : {num_tokens} output tokens in {seconds:.2f} s = {num_tokens / seconds:.1f} tok/s",
+          flush=True)  # fmt: skip
+
+
+def _busy(profile: DecodeProfile) -> str:
+    return "n/a (no CUDA)" if profile.gpu_busy is None else f"{profile.gpu_busy:.0%}"
+
+
+def print_profiles(eager: DecodeProfile, graphs: DecodeProfile, batch: int, prompt_len: int, steps: int) -> None:
+    print(f"\nprofile of {steps} decode steps at batch {batch} after {prompt_len}-token prompts")
+    for mode, p in (("eager ", eager), ("graphs", graphs)):
+        print(f"{mode}: {p.launches_per_step:.0f} kernels and {p.host_launches_per_step:.0f} host launches per step, "
+              f"{p.wall_ms:.2f} ms per step, {p.kernel_ms:.2f} ms of it in kernels")  # fmt: skip
+    print(f"launches per layer (eager): {eager.launches_per_layer:.1f}")
+    print(f"launches per layer (graphs, a whole step's kernels over the layers): {graphs.launches_per_layer:.1f}")
+    print(f"GPU busy (eager): {_busy(eager)}")
+    print(f"GPU busy (graphs): {_busy(graphs)}", flush=True)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvserve bench offline", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--baseline", choices=BASELINES, default="hf", help="transformers' generate to compare with")
+    parser.add_argument("--no-compile", action="store_true", help="hf-static without torch.compile")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--min-len", type=int, default=16)
+    parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per prompt (64; rows: 256)")
+    parser.add_argument("--batch-sizes", type=_int_list, default=None, help="comma-separated, e.g. 1,64,256")
+    parser.add_argument("--prompt-len", type=int, default=128, help="of --batch-sizes rows and of --profile")
+    parser.add_argument("--workload", choices=["random", "nano-vllm"], default=None,
+                        help="default: random lengths, unless --batch-sizes is given")  # fmt: skip
+    parser.add_argument("--nano-requests", type=int, default=256)
+    parser.add_argument("--nano-lengths", type=_int_list, default=[100, 1024], help="min,max prompt/output length")
+    parser.add_argument("--profile", action="store_true", help="profile decode steps, eager and with CUDA graphs")
+    parser.add_argument("--profile-batch", type=int, default=64)
+    parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                        help="share of free GPU memory for the KV pool (transformers needs the rest)")  # fmt: skip
+    args = parser.parse_args(argv)
+    if len(args.nano_lengths) != 2 or not 1 <= args.nano_lengths[0] <= args.nano_lengths[1]:
+        parser.error(f"--nano-lengths takes MIN,MAX with 1 <= MIN <= MAX, got {args.nano_lengths}")
+    if args.workload is None and not args.batch_sizes:
+        args.workload = "random"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from engine import LLM
+    from engine.bundled import resolve_model
+
+    # Token-id prompts in, token ids out: no tokenizer needed (random models of real shapes have none).
+    options = dict(max_num_batched_tokens=args.max_num_batched_tokens, skip_tokenizer_init=True,
+                   gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
+    if args.profile:
+        eager_llm = LLM(args.model, enforce_eager=True, **options)
+        eager = profile_decode_steps(eager_llm, args.profile_batch, args.prompt_len, args.profile_steps)
+        del eager_llm  # its KV pool, before the next engine takes its own
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    llm = LLM(args.model, **options)
+    runner = llm.engine.runner
+    print(f"dtype {runner.dtype}, device {runner.device}, {torch.get_num_threads()} threads", flush=True)
+    if args.profile:
+        graphs = profile_decode_steps(llm, args.profile_batch, args.prompt_len, args.profile_steps)
+        print_profiles(eager, graphs, args.profile_batch, args.prompt_len, args.profile_steps)
+    baseline = None
+    if args.baseline != "none" and (args.batch_sizes or args.workload == "random"):
+        baseline = TransformersBaseline(resolve_model(args.model), runner.dtype, runner.device,
+                                        static=args.baseline == "hf-static", compiled=not args.no_compile)  # fmt: skip
+    if args.batch_sizes:
+        batch_rows(llm, baseline, args.batch_sizes, args.prompt_len, args.max_tokens or 256)
+    if args.workload == "nano-vllm":
+        nano_vllm_workload(llm, args.nano_requests, *args.nano_lengths)
+    elif args.workload == "random":
+        random_lengths(llm, baseline, args)
 
 
 if __name__ == "__main__":
