@@ -51,8 +51,9 @@ def _recomputing(engine, prompt: list[int], steps: int) -> tuple[float, list[int
 def measure(lengths: list[int], steps: int, seed: int = 0) -> list[dict]:
     from engine import LLM
 
-    cached = LLM("default", enable_prefix_caching=False)  # a fresh cache per request: no reuse across lengths
-    recompute = LLM("default", enable_prefix_caching=False)
+    share = {"gpu_memory_utilization": 0.4}  # two engines in one process: each its share of a GPU (unused on CPU)
+    cached = LLM("default", enable_prefix_caching=False, **share)  # a fresh cache per request: no reuse across lengths
+    recompute = LLM("default", enable_prefix_caching=False, **share)
     spec = cached.engine.runner.kv_spec
     kv_bytes_per_token = spec.bytes_per_block() / spec.block_size
     rng = random.Random(seed)

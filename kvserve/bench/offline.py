@@ -158,7 +158,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
-                        help="share of free GPU memory for the KV pool (transformers needs the rest)")  # fmt: skip
+                        help="share of the GPU's total memory for the engine (transformers: the rest)")  # fmt: skip
     args = parser.parse_args(argv)
     if len(args.nano_lengths) != 2 or not 1 <= args.nano_lengths[0] <= args.nano_lengths[1]:
         parser.error(f"--nano-lengths takes MIN,MAX with 1 <= MIN <= MAX, got {args.nano_lengths}")
