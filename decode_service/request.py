@@ -117,13 +117,13 @@ class ActiveRequest:
         if out.finished:
             msg.finish_reason = out.finish_reason or ""
             msg.usage.prompt_tokens = len(self.prompt)
-            msg.usage.completion_tokens = len(out.token_ids)
+            msg.usage.completion_tokens = out.num_output_tokens
             msg.usage.cached_prompt_tokens = self.num_cached_tokens
             msg.timings.ttft_ms = (self.first_token_at - self.received) * 1000
             msg.timings.total_ms = (now - self.received) * 1000
             metrics.E2E.observe(now - self.received)
-            if len(out.token_ids) > 1:
-                metrics.TPOT.observe((now - self.first_token_at) / (len(out.token_ids) - 1))
+            if out.num_output_tokens > 1:
+                metrics.TPOT.observe((now - self.first_token_at) / (out.num_output_tokens - 1))
             msg.timings.prefill_ms = self.prefill_ms
             msg.timings.transfer_ms = self.transfer_ms
             msg.transfer_backend = self.backend

@@ -19,7 +19,9 @@ class AttentionMetadata:
     exactly one new token each (rows ``0..num_decodes-1``), the rest bring
     prompt chunks. Per sequence ``i``: its rows are
     ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``, its length after this step is
-    ``seq_lens[i]`` and its blocks are ``block_tables[i]``.
+    ``seq_lens[i]`` and its blocks are ``block_tables[i]``. ``max_q_len``, the most new tokens any sequence
+    brings, comes from the host so the prefill kernel need not read it back (None: it does). A decode row
+    with slot -1 and length 0 is padding (a CUDA graph's fixed batch size): nothing stored, output zeros.
     """
 
     slot_mapping: torch.Tensor  # (tokens,) int64, block_id * block_size + offset
@@ -28,6 +30,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # (seqs + 1,) int32
     num_decodes: int
     mirrors: list[KVMirror] = field(default_factory=list)  # other pools some tokens must also be stored into
+    max_q_len: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -66,6 +69,7 @@ def paged_attention(
         )
     out[nd:] = kernels.paged_prefill_attention(
         q[nd:], k[nd:], v[nd:], kv.k_cache, kv.v_cache,
-        meta.block_tables[nd:], meta.cu_seqlens_q[nd:] - nd, meta.seq_lens[nd:], scale, **scales,
+        meta.block_tables[nd:], meta.cu_seqlens_q[nd:] - nd, meta.seq_lens[nd:], scale,
+        max_q_len=meta.max_q_len, **scales,
     )  # fmt: skip
     return out

@@ -15,12 +15,11 @@ blocks included, is cached once its KV is computed and stays until evicted
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.bundled import resolve_model
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
-from engine.sampler import skip_draw
 from engine.sampling_params import SamplingParams, check_token_ids
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -34,18 +33,33 @@ Prompt = str | list[int]
 
 @dataclass
 class RequestOutput:
-    """A request's progress after a step: everything so far, and what this step added."""
+    """A request's progress after a step: what this step added and everything so far.
+
+    ``token_ids`` and ``text`` (everything so far) are built when read, O(length), so that producing an
+    output costs O(new tokens) per step. They show the request as of this step, except that a stop string
+    found later also shortens ``text`` of earlier outputs.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
     new_token_ids: list[int]
     new_text: str
     finished: bool
     finish_reason: str | None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    _seq: Sequence | None = field(default=None, repr=False, compare=False)
+    _num_chars: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        start = len(self.prompt_token_ids)
+        return self._seq.token_ids[start : start + self.num_output_tokens]
+
+    @property
+    def text(self) -> str:
+        return self._seq.detokenizer.text[: self._num_chars]
 
 
 class StepError(RuntimeError):
@@ -65,14 +79,12 @@ class LLMEngine:
         self.tokenizer = None if self.config.skip_tokenizer_init else Tokenizer(path)
         self.runner = ModelRunner(path, self.model_config, self.config)
         block_size = self.config.block_size
-        pool_tokens = self.runner.num_blocks * block_size
         if self.config.max_model_len and self.config.max_model_len > self.model_config.max_context:
             raise ValueError(
                 f"max_model_len={self.config.max_model_len} exceeds the model's context of "
                 f"{self.model_config.max_context} tokens"
             )
-        # A sequence must always fit in the pool on its own, or preemption could never make room for it.
-        self.max_model_len = min(self.config.max_model_len or self.model_config.max_context, pool_tokens)
+        self.max_model_len = self.runner.max_model_len  # within the pool too (see ModelRunner)
         self.prefix_salt = fingerprint(self.model_config.architecture, self.runner.kv_spec)
         caching, salt = self.config.enable_prefix_caching, self.prefix_salt
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_caching=caching, salt=salt)
@@ -162,7 +174,7 @@ class LLMEngine:
             prompt_token_ids=ids,
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
-            generator=None if params.seed is None else self.runner.new_generator(params.seed),
+            sampling_seed=self.runner.sampler.stream_seed(params.seed),
         )
 
     # -- KV computed elsewhere (the decode worker's side of disaggregated prefill) ------------------------
@@ -189,16 +201,15 @@ class LLMEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token: int
     ) -> RequestOutput:
         """Start decoding a request whose prompt KV was written into its reserved blocks elsewhere; its full
-        blocks become findable in the prefix cache."""
+        blocks become findable in the prefix cache. With the same seed, its next tokens continue the random
+        stream the prefiller drew ``first_token`` from (the sampler's noise is keyed by seed and position)."""
         if not self.block_manager.has(request_id):
             raise ValueError(f"request {request_id!r} has no reserved blocks")
         seq = self._new_sequence(prompt_token_ids, params, request_id, reserved=True)
-        seq.block_table = self.block_manager.block_table(request_id)
+        seq.block_table = self.block_manager.block_table_array(request_id)
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_cached_tokens = self.block_manager.num_cached_tokens(request_id)
         self.block_manager.cache_full_blocks(request_id, seq.token_ids, seq.num_computed_tokens)
-        if seq.generator is not None:
-            skip_draw(params, seq.generator, self.model_config.vocab_size, self.runner.device)
         self._sequences[request_id] = seq
         self.scheduler.add_running(seq)
         return self._append_token(seq, first_token)
@@ -254,7 +265,7 @@ class LLMEngine:
         bs = self.config.block_size
         first, end = seq.num_dest_cached_tokens // bs, seq.num_computed_tokens // bs
         if end > first:
-            copy_blocks(self.runner.kv_cache.layers, seq.block_table[first:end], layers, dst_blocks[first:end])
+            copy_blocks(self.runner.kv_cache.layers, seq.block_table[first:end].tolist(), layers, dst_blocks[first:end])
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         seq.token_ids.append(token)
@@ -269,36 +280,36 @@ class LLMEngine:
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        text = seq.detokenizer.text
         if params.stop and new_text:
             # only the tail can hold a new match: the new text plus the longest stop string before it
-            window = len(new_text) + max(len(s) for s in params.stop)
-            tail_start = max(0, len(text) - window)
-            hits = [i for s in params.stop if (i := text.find(s, tail_start)) != -1]
+            detok = seq.detokenizer
+            tail = detok.tail(len(new_text) + max(len(s) for s in params.stop))
+            hits = [i for s in params.stop if (i := tail.find(s)) != -1]
             if hits:
-                seq.detokenizer.text = text[: min(hits)]
+                detok.truncate(detok.num_chars - len(tail) + min(hits))
                 return "stop"
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
-        text = seq.detokenizer.text
+        detok = seq.detokenizer
         # While running, hold back text that could still turn out to be the start of a stop string,
         # so that the concatenated deltas always equal the final text.
         holdback = max((len(s) - 1 for s in seq.params.stop), default=0)
-        upto = len(text) if seq.is_finished else max(seq.num_emitted_chars, len(text) - holdback)
-        new_text = text[seq.num_emitted_chars : upto]
+        upto = detok.num_chars if seq.is_finished else max(seq.num_emitted_chars, detok.num_chars - holdback)
+        new_text = detok.slice(seq.num_emitted_chars, upto)
         seq.num_emitted_chars = upto
         return RequestOutput(
             request_id=seq.seq_id,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=text,
             new_token_ids=new_token_ids,
             new_text=new_text,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             num_preemptions=seq.num_preemptions,
             num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            _seq=seq,
+            _num_chars=detok.num_chars,
         )

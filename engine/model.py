@@ -4,6 +4,14 @@ Differences between the three are config switches: Qwen2 adds biases to
 q/k/v, embeddings may be tied, RoPE may be scaled (``linear`` or ``llama3``).
 Every forward pass works on a flat, unpadded batch of tokens from many
 sequences; ``AttentionMetadata`` tells attention which rows belong together.
+
+The element-wise work goes through ``kernels`` (fused Triton kernels on CUDA,
+the PyTorch references elsewhere), so that a decode step launches per layer:
+the QKV GEMM, rotary (q and k together), the KV store, decode attention (plus
+its reduction when split), o_proj, residual-add + RMSNorm, the gate/up GEMM,
+SiLU-and-mul, down_proj and the next residual-add + RMSNorm: 10 or 11 kernels.
+Like vLLM, layers pass the residual stream along beside their output, so the
+add happens inside the next norm.
 """
 
 from __future__ import annotations
@@ -11,9 +19,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from kvstore import LayerKV
@@ -25,11 +33,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``, ``residual`` ``(tokens, hidden)`` -> (normalized ``x + residual``, ``x + residual``)."""
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -56,26 +62,17 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a precomputed cos/sin table for every position."""
+    """Rotate-half RoPE: a float32 table of every position's cosines and sines, looked up once per step."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(config))  # (positions, head_dim / 2)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # (tokens, 1, head_dim)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """``positions (tokens,)`` -> ``cos_sin (tokens, head_dim)``, the layout ``kernels.rotary_embedding`` takes."""
+        return self.cos_sin[positions]
 
 
 class Attention(nn.Module):
@@ -89,16 +86,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, kv: LayerKV, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # Strided views into the one projection output; the kernels take row strides, so nothing is copied.
         q = q.view(tokens, self.num_heads, self.head_dim)  # (tokens, q_heads, head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)  # (tokens, kv_heads, head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
-        out = paged_attention(q, k, v.contiguous(), kv, meta, self.scale, self.layer_index)
+        q, k = kernels.rotary_embedding(q, k, cos_sin)
+        out = paged_attention(q, k, v, kv, meta, self.scale, self.layer_index)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -112,8 +108,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -124,9 +119,23 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, rope, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the previous layer's MLP output (or the embeddings); ``residual``: the stream before it.
+
+        Returns this layer's MLP output and the residual stream before it; the
+        caller's next norm adds the two (``residual`` is None for layer 0).
+        """
+        hidden, residual = self.input_layernorm(x, residual)
+        hidden = self.self_attn(hidden, cos_sin, kv, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -154,9 +163,12 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """``input_ids``/``positions`` ``(tokens,)`` -> final hidden states ``(tokens, hidden)``."""
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rope(positions)  # one lookup per step, shared by every layer
+        residual = None
         for layer, kv in zip(self.model.layers, kv_layers, strict=True):
-            x = layer(x, positions, self.rope, kv, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos_sin, kv, meta)
+        hidden, _ = self.model.norm(x, residual)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

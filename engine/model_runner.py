@@ -1,4 +1,13 @@
-"""Execution: turns a scheduled batch into flat tensors, runs the model and samples."""
+"""Execution: turns a scheduled batch into device inputs, runs the model (or a captured graph) and samples.
+
+Per step the host writes the batch's inputs with NumPy into a pinned buffer and sends them in one copy
+(``engine.input_batch``), runs the model, samples on the device and reads the tokens back in one copy.
+A decode-only batch is padded to a bucket size and runs over fixed input addresses: on CUDA by replaying
+that bucket's captured graph (``engine.cuda_graph``), elsewhere eagerly, so the CPU suite runs the same
+path. Prefill and mixed steps, decode batches past the largest bucket, and steps that also store KV into
+another pool (a prefill worker's mirrors) run eagerly on a tightly packed batch; ``enforce_eager`` runs
+every step that way.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +15,17 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graph import DecodeGraphs, decode_buckets, decode_forward
+from engine.input_batch import PaddedDecodeInputs, StagingBuffer, stage_step
 from engine.loader import load_model
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
-from kvstore import KVCache, KVCacheSpec, token_slots
-from kvstore.transfer import KVMirror, create_shared_pool
+from engine.sequence import Sequence
+from kvstore import KVCache, KVCacheSpec
+from kvstore.transfer import create_shared_pool
+
+_INITIAL_STAGING_BYTES = 1 << 20  # grows on demand
 
 
 class ModelRunner:
@@ -46,6 +59,20 @@ class ModelRunner:
         else:
             self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
         self.sampler = Sampler(model_config.vocab_size, self.device, config.seed)
+        # The longest sequence the engine admits: the model's context or the config's cap, and within the pool,
+        # since a sequence must fit in it on its own or preemption could never make room for it.
+        self.max_model_len = min(config.max_model_len or model_config.max_context, num_blocks * config.block_size)
+        self.staging = StagingBuffer(_INITIAL_STAGING_BYTES, self.device)
+        self._tokens_host = self._pinned_tokens(config.max_num_seqs)  # sampled ids come back here
+        self.decode_inputs: PaddedDecodeInputs | None = None
+        self.graphs: DecodeGraphs | None = None
+        if not config.enforce_eager:
+            buckets = decode_buckets(config.max_num_seqs, config.max_num_batched_tokens)
+            max_blocks_per_seq = -(-self.max_model_len // config.block_size)
+            self.decode_inputs = PaddedDecodeInputs(buckets, max_blocks_per_seq, self.device)
+            if self.device.type == "cuda":
+                with torch.inference_mode():
+                    self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.decode_inputs, self.device)
 
     def close(self) -> None:
         """Remove the shared-memory file of the pool, if there is one (mappings stay valid until dropped)."""
@@ -57,77 +84,53 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
-    def new_generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(self.device).manual_seed(seed)
-
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Run one step; return the sampled token for each sequence that reached its end, else None."""
-        input_ids, positions, slots, sample_rows = self._flatten(batch)
-        meta = self._metadata(batch, slots)
-        hidden = self.model(
-            torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
-            self.kv_cache.layers, meta,
-        )  # fmt: skip
-        sampled = [i for i, row in enumerate(sample_rows) if row is not None]
-        if not sampled:
-            return [None] * len(batch.seqs)
-        logits = self.model.compute_logits(hidden[[sample_rows[i] for i in sampled]])
-        tokens = self.sampler(logits, [batch.seqs[i] for i in sampled]).tolist()
-        out: list[int | None] = [None] * len(batch.seqs)
-        for i, token in zip(sampled, tokens, strict=True):
-            out[i] = token
+        seqs = batch.seqs
+        decoded = self._decode_padded(seqs) if batch.num_decodes == len(seqs) else None
+        if decoded is not None:
+            logits, sampled = decoded
+        else:
+            step = stage_step(self.staging, seqs, batch.num_new_tokens, batch.num_decodes, self.block_size)
+            hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.meta)
+            sampled = step.sampled
+            logits = self.model.compute_logits(hidden[step.logit_rows]) if sampled else None
+        out: list[int | None] = [None] * len(seqs)
+        if sampled:
+            for i, token in zip(sampled, self._sample(logits, [seqs[i] for i in sampled]), strict=True):
+                out[i] = token
         return out
 
-    def _flatten(self, batch: ScheduledBatch):
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int | None] = []
-        bs = self.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(token_slots(seq.block_table, start, end, bs))
-            sample_rows.append(len(input_ids) - 1 if end == seq.num_tokens else None)
-        return input_ids, positions, slots, sample_rows
+    def _decode_padded(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
+        """(logits of the sampling rows, their batch indices) of a decode-only batch padded to its bucket;
+        None when the batch must run eagerly instead."""
+        inputs = self.decode_inputs
+        bucket = None if inputs is None else inputs.bucket_for(len(seqs))
+        if bucket is None or any(s.kv_destination is not None for s in seqs):
+            return None
+        if not inputs.stage(bucket, seqs, self.block_size):
+            return None
+        if self.graphs is not None:
+            logits = self.graphs.replay(bucket)
+        else:
+            logits = decode_forward(self.model, self.kv_cache.layers, inputs, bucket)
+        # A one-token prefill chunk that does not end its prompt is a "decode" that samples nothing.
+        sampled = [i for i, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
+        if len(sampled) == len(seqs):
+            return logits[: len(seqs)], sampled
+        return logits[torch.tensor(sampled, dtype=torch.int64, device=self.device)], sampled
 
-    def _metadata(self, batch: ScheduledBatch, slots: list[int]) -> AttentionMetadata:
-        seq_lens = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
-        cu = [0]
-        for n in batch.num_new_tokens:
-            cu.append(cu[-1] + n)
-        to = dict(device=self.device, dtype=torch.int32)
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=self.device, dtype=torch.int64),
-            block_tables=torch.tensor(tables, **to),
-            seq_lens=torch.tensor(seq_lens, **to),
-            cu_seqlens_q=torch.tensor(cu, **to),
-            num_decodes=batch.num_decodes,
-            mirrors=self._mirrors(batch),
-        )
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Sample on the device, then read the tokens back in one copy (into pinned memory on CUDA)."""
+        tokens = self.sampler(logits, seqs)
+        if self._tokens_host.shape[0] < len(seqs):  # more running than max_num_seqs (add_running) can happen
+            self._tokens_host = self._pinned_tokens(2 * len(seqs))
+        host = self._tokens_host[: len(seqs)]
+        host.copy_(tokens, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return host.tolist()
 
-    def _mirrors(self, batch: ScheduledBatch) -> list[KVMirror]:
-        """One mirror per destination pool in the batch, mapping each token to its destination slot (or -1).
-
-        Positions below a sequence's ``num_dest_cached_tokens`` map to -1: the destination already holds them,
-        in blocks other sequences there may be reading.
-        """
-        by_pool: dict[int, tuple[list, list[int]]] = {}
-        offset = 0
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if seq.kv_destination is not None:
-                layers, dst_blocks = seq.kv_destination
-                _, slots = by_pool.setdefault(id(layers), (layers, [-1] * batch.num_tokens))
-                first, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-                start = max(first, seq.num_dest_cached_tokens)
-                if end > start:
-                    slots[offset + start - first : offset + n] = token_slots(dst_blocks, start, end, self.block_size)
-            offset += n
-        return [
-            KVMirror(layers, torch.tensor(slots, device=self.device, dtype=torch.int64))
-            for layers, slots in by_pool.values()
-        ]
+    def _pinned_tokens(self, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int64, pin_memory=self.device.type == "cuda")

@@ -100,12 +100,12 @@ class Scheduler:
     def _allocate(self, seq: Sequence, num_tokens: int, cached: list[Block] | None = None) -> bool:
         if not self.block_manager.allocate(seq.seq_id, num_tokens, cached or ()):
             return False
-        seq.block_table = self.block_manager.block_table(seq.seq_id)
+        seq.block_table = self.block_manager.block_table_array(seq.seq_id)  # O(1): a view, not a copy
         return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.seq_id)
-        seq.block_table = []
+        seq.block_table = self.block_manager.block_table_array(seq.seq_id)  # empty now
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -120,6 +120,6 @@ class Scheduler:
             self.waiting.remove(seq)
         if not seq.hold_blocks:
             self.block_manager.free(seq.seq_id)
-            seq.block_table = []
+            seq.block_table = self.block_manager.block_table_array(seq.seq_id)  # empty now
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
@@ -33,10 +33,11 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None = None
+    sampling_seed: int = 0  # the int64 seed of its random stream (engine.sampler: drawn when it brought none)
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    # its blocks' ids, int32 (``BlockManager.block_table_array``: a view the scheduler replaces as it grows)
+    block_table: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -63,6 +64,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """A copy, O(length): not for per-step use."""
         return self.token_ids[self.num_prompt_tokens :]
 
     @property

@@ -40,7 +40,9 @@ class IncrementalDetokenizer:
 
     Decoding token by token would split characters whose bytes span tokens;
     instead we decode a short window and hold text back while it ends in the
-    replacement character U+FFFD.
+    replacement character U+FFFD. The text so far is kept as its deltas, so
+    adding a token costs O(its window), not O(the text): ``text`` joins them
+    when read, and ``tail``/``slice`` read recent text without a join.
     """
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
@@ -49,7 +51,37 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-6:])  # a little context so the first word gets its leading space
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
+        self._chunks: list[str] = []
+        self.num_chars = 0  # len(self.text)
+
+    @property
+    def text(self) -> str:
+        """All the text so far (O(length) when new text arrived since the last read)."""
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def tail(self, num_chars: int) -> str:
+        """The last ``num_chars`` characters of ``text`` (all of it when shorter), joining only the deltas
+        that hold them."""
+        parts, have = [], 0
+        for chunk in reversed(self._chunks):
+            if have >= num_chars:
+                break
+            parts.append(chunk)
+            have += len(chunk)
+        return "".join(reversed(parts))[max(0, have - num_chars) :]
+
+    def slice(self, start: int, end: int) -> str:
+        """``text[start:end]`` for ``0 <= start``, at the cost of reading from ``start`` to the end."""
+        if start >= min(end, self.num_chars):
+            return ""
+        return self.tail(self.num_chars - start)[: end - start]
+
+    def truncate(self, num_chars: int) -> None:
+        """Keep only the first ``num_chars`` characters of the text (a stop string was found there)."""
+        text = self.text[:num_chars]
+        self._chunks, self.num_chars = [text], len(text)
 
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; return the newly completed text (possibly empty; always empty without a tokenizer)."""
@@ -63,5 +95,6 @@ class IncrementalDetokenizer:
         delta = full[len(prefix) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
-        self.text += delta
+        self._chunks.append(delta)
+        self.num_chars += len(delta)
         return delta

@@ -1,4 +1,4 @@
-"""Paged-attention kernels: Triton on CUDA (or under ``TRITON_INTERPRET=1``), PyTorch references otherwise.
+"""Model kernels: Triton on CUDA (or under ``TRITON_INTERPRET=1``), PyTorch references otherwise.
 
 ``_implementation`` is the one place that picks the backend. Triton modules are
 imported on first use, so ``import kernels`` works where Triton is not
@@ -17,12 +17,23 @@ import torch
 
 from kernels import reference
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kvcache", "use_triton"]
+__all__ = [
+    "add_rms_norm",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rotary_embedding",
+    "silu_and_mul",
+    "store_kvcache",
+    "use_triton",
+]
 
 _TRITON_MODULES = {
     "paged_decode_attention": "kernels.decode_attention",
     "paged_prefill_attention": "kernels.prefill_attention",
     "store_kvcache": "kernels.store_kv",
+    "add_rms_norm": "kernels.norm",
+    "rotary_embedding": "kernels.rotary",
+    "silu_and_mul": "kernels.activation",
 }
 
 
@@ -83,14 +94,20 @@ def paged_prefill_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed new tokens over a cached prefix; see ``reference.paged_prefill_attention``."""
+    """Causal attention of packed new tokens over a cached prefix; see ``reference.paged_prefill_attention``.
+
+    ``max_q_len``, the most new tokens of any sequence when the caller knows it, spares the Triton kernel a
+    read-back to size its grid (the reference walks the lengths on the host anyway and takes no hint)."""
     _check_int8(k_cache, k_scale, "k_cache")
     _check_int8(v_cache, v_scale, "v_cache")
     impl = _implementation("paged_prefill_attention", q.device)
+    hint = {"max_q_len": max_q_len} if use_triton(q.device) else {}
     return impl(
-        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale=k_scale, v_scale=v_scale
-    )
+        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+        k_scale=k_scale, v_scale=v_scale, **hint,
+    )  # fmt: skip
 
 
 def store_kvcache(
@@ -108,3 +125,20 @@ def store_kvcache(
     _check_int8(v_cache, v_scale, "v_cache")
     impl = _implementation("store_kvcache", k.device)
     impl(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) * weight, x + residual)`` in one pass; see ``reference.add_rms_norm``."""
+    return _implementation("add_rms_norm", x.device)(x, residual, weight, eps)
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of q and k with per-token ``cos_sin``, as new tensors; see ``reference.rotary_embedding``."""
+    return _implementation("rotary_embedding", q.device)(q, k, cos_sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused ``(tokens, 2 * I)`` gate/up output; see ``reference.silu_and_mul``."""
+    return _implementation("silu_and_mul", gate_up.device)(gate_up)

@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from kernels import decode_attention, prefill_attention, store_kv
+from kernels import activation, decode_attention, norm, prefill_attention, rotary, store_kv
 
 _POINTER_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int8: "*i8",
                   torch.int32: "*i32", torch.int64: "*i64"}  # fmt: skip
@@ -105,6 +105,19 @@ def _variants(dtype: torch.dtype):
             yield f"prefill {tag}", prefill_attention.paged_prefill_attention, prefill_args, quant
             store_args = (k, k, k_cache, v_cache, torch.zeros(100, dtype=torch.int64))
             yield f"store {tag}", store_kv.store_kvcache, store_args, quant
+    for hidden, intermediate, (num_q_heads, num_kv_heads, head_dim) in ((896, 4864, (14, 2, 64)),
+                                                                        (4096, 14336, (32, 8, 128))):  # fmt: skip
+        x = torch.empty(100, hidden, dtype=dtype)
+        weight = torch.empty(hidden, dtype=dtype)
+        yield f"add+norm h{hidden}", norm.add_rms_norm, (x, x, weight, 1e-6), {}
+        yield f"norm h{hidden}", norm.add_rms_norm, (x, None, weight, 1e-6), {}
+        qkv = torch.empty(100, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+        q = qkv[:, : num_q_heads * head_dim].view(100, num_q_heads, head_dim)  # strided views, as the model has
+        k = qkv[:, num_q_heads * head_dim : (num_q_heads + num_kv_heads) * head_dim].view(100, num_kv_heads, head_dim)
+        yield f"rotary {num_q_heads}:{num_kv_heads} d{head_dim}", rotary.rotary_embedding, \
+            (q, k, torch.empty(100, head_dim)), {}
+        gate_up = torch.empty(100, 2 * intermediate, dtype=dtype)
+        yield f"silu*mul i{intermediate}", activation.silu_and_mul, (gate_up,), {}
 
 
 def main(argv: list[str] | None = None) -> int:

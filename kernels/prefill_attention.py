@@ -138,11 +138,13 @@ def paged_prefill_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``reference.paged_prefill_attention``.
 
-    Reads the longest new-token count back to the host (one sync per call) to
-    size the grid; prefill steps are not captured in CUDA graphs.
+    ``max_q_len`` (at least the most new tokens of any sequence) sizes the
+    grid; without it the longest new-token count is read back to the host, one
+    sync per call.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -157,7 +159,8 @@ def paged_prefill_attention(
     group = num_q_heads // num_kv_heads
     head_dim_pad = padded(head_dim)
     block_m, block_n, num_warps, num_stages = _CONFIGS.get(head_dim_pad, _DEFAULT_CONFIG)
-    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     ks = k_scale if k_scale is not None else k_cache  # placeholders keep the argument list fixed
     vs = v_scale if v_scale is not None else v_cache
     ks_strides = k_scale.stride() if k_scale is not None else (0, 0, 0)

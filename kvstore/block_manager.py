@@ -5,18 +5,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvstore.block_pool import Block, BlockPool
 from kvstore.prefix_hash import block_hashes
 
 
-def token_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Pool slots of token positions ``start..end-1`` of a sequence whose blocks are ``block_table``.
+def batch_slots(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Pool slots ``(tokens,)`` int64 of tokens at ``positions[i]`` of the sequence whose blocks are
+    ``block_tables[rows[i]]`` (``block_tables`` ``(seqs, width)``).
 
     Slot ``s`` is row ``s % block_size`` of block ``s // block_size`` in the pool flattened to
     ``[num_blocks * block_size, ...]``; the one place this layout is spelled out in Python (the kernels
     index the same layout with tensors).
     """
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    blocks = block_tables[rows, positions // block_size].astype(np.int64)
+    return blocks * block_size + positions % block_size
+
+
+def token_slots(block_table: Sequence[int] | np.ndarray, start: int, end: int, block_size: int) -> np.ndarray:
+    """Pool slots ``(end - start,)`` int64 of positions ``start..end-1`` of one sequence (see ``batch_slots``)."""
+    positions = np.arange(start, end)
+    table = np.asarray(block_table, dtype=np.int64).reshape(1, -1)
+    return batch_slots(table, np.zeros_like(positions), positions, block_size)
 
 
 @dataclass
@@ -25,12 +36,27 @@ class _Holding:
 
     ``hashes[i]`` and ``content_ids[i]`` name the prefix through block ``i`` for every block ``i`` already
     cached (``content_ids[i]`` may name an equal block another sequence computed first); they grow together.
+    ``table[:len(blocks)]`` holds the blocks' ids (its capacity doubles, so appending is amortized O(1)).
     """
 
     blocks: list[Block] = field(default_factory=list)
+    table: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
     hashes: list[str] = field(default_factory=list)
     content_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+
+    def extend(self, blocks: Sequence[Block]) -> None:
+        have, need = len(self.blocks), len(self.blocks) + len(blocks)
+        if need > len(self.table):
+            grown = np.empty(max(need, 2 * len(self.table), 4), dtype=np.int32)
+            grown[:have] = self.table[:have]
+            self.table = grown
+        self.table[have:need] = [b.block_id for b in blocks]
+        self.blocks.extend(blocks)
+
+
+_EMPTY_TABLE = np.empty(0, dtype=np.int32)
+_EMPTY_TABLE.flags.writeable = False
 
 
 class BlockManager:
@@ -138,18 +164,28 @@ class BlockManager:
         if seq_id not in self._holdings:
             self.pool.touch(cached)
             self._holdings[seq_id] = _Holding(
-                blocks=list(cached),
                 hashes=[b.block_hash for b in cached],
                 content_ids=[b.content_id for b in cached],
                 num_cached_tokens=len(cached) * self.block_size,
             )
+            self._holdings[seq_id].extend(cached)
         holding = self._holdings[seq_id]
-        holding.blocks.extend(self.pool.get_free_blocks(max(0, self.num_blocks_for(num_tokens) - len(holding.blocks))))
+        holding.extend(self.pool.get_free_blocks(max(0, self.num_blocks_for(num_tokens) - len(holding.blocks))))
         return True
 
     def block_table(self, seq_id: str) -> list[int]:
         holding = self._holdings.get(seq_id)
-        return [] if holding is None else [b.block_id for b in holding.blocks]
+        return [] if holding is None else holding.table[: len(holding.blocks)].tolist()
+
+    def block_table_array(self, seq_id: str) -> np.ndarray:
+        """``seq_id``'s block ids now, ``(num_blocks,)`` int32, without copying (O(1)): a read-only view whose
+        entries never change (blocks are only appended, and a freed sequence's array is not reused)."""
+        holding = self._holdings.get(seq_id)
+        if holding is None:
+            return _EMPTY_TABLE
+        view = holding.table[: len(holding.blocks)]
+        view.flags.writeable = False
+        return view
 
     def has(self, seq_id: str) -> bool:
         return seq_id in self._holdings

@@ -34,6 +34,7 @@ _ENGINE_FLAGS = {
     "max_model_len": int,
     "enable_prefix_caching": boolean_flag,
     "skip_tokenizer_init": boolean_flag,
+    "enforce_eager": boolean_flag,
 }
 
 

@@ -19,7 +19,7 @@ def test_blocks_come_from_the_front_and_return_tail_first():
     assert bm.block_table("b") == [3]
     assert bm.allocate("a", 12)  # still 3 blocks: nothing new
     assert bm.block_table("a") == [0, 1, 2]
-    assert token_slots(bm.block_table("a"), 3, 6, bm.block_size) == [0 * 4 + 3, 1 * 4 + 0, 1 * 4 + 1]
+    assert token_slots(bm.block_table("a"), 3, 6, bm.block_size).tolist() == [0 * 4 + 3, 1 * 4 + 0, 1 * 4 + 1]
     bm.free("a")  # released tail first: 2, 1, 0 join the back of the free list after 4, 5
     assert bm.allocate("c", 20)
     assert bm.block_table("c") == [4, 5, 2, 1, 0]

@@ -27,7 +27,7 @@ def _with_cache(engine, prompt: list[int], steps: int) -> tuple[float, list[int]
     start, tokens = time.perf_counter(), []
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.request_id == rid:
+            if out.request_id == rid and out.finished:
                 tokens = out.token_ids
     return (time.perf_counter() - start) / max(1, steps - 1), tokens
 

@@ -38,7 +38,8 @@ def interpreted_triton():
         yield
 
 
-_KERNEL_MODULES = ("kernels.tiles", "kernels.store_kv", "kernels.decode_attention", "kernels.prefill_attention")
+_KERNEL_MODULES = ("kernels.tiles", "kernels.store_kv", "kernels.decode_attention", "kernels.prefill_attention",
+                   "kernels.norm", "kernels.rotary", "kernels.activation")  # fmt: skip
 
 
 def _import_interpreted_triton() -> None:
