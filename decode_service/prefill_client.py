@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -75,7 +76,7 @@ class PrefillClient:
         """Lease ``dest`` (``req``'s blocks) to ``target`` for ``timeout_s`` and call it; ``req.future`` ends
         with the reply or the ``RpcError``. Cancelling that future cancels the call, which tells the prefill
         worker to drop the job."""
-        req.prefill_worker = target.worker_id
+        req.prefill_worker, req.prefill_address = target.worker_id, target.address
         req.tried.append(target.worker_id)
         lease.grant(self.security, req.request_id, dest, target.worker_id, timeout_s)
         call = pb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
@@ -96,19 +97,16 @@ class PrefillClient:
         if self.registry is not None:
             self._publisher.submit(self.registry.delete_lease, request_id, writer)
 
-    def ended_leases(self, leases: list[tuple[str, str]]) -> Future:
-        """A future of the (request id, writer) pairs among ``leases`` whose writer has ended its lease."""
-        if self.registry is None:
-            done: Future = Future()
-            done.set_result(set())
-            return done
+    def ended_leases(self, leases: list[tuple[str, str, str]]) -> Future:
+        """A future of the (request id, writer) pairs among ``leases`` (request id, writer, its address) that
+        no write can reach any more: the writer ended its lease in Redis, or nothing listens at its address."""
 
-        def read() -> set[tuple[str, str]]:
-            found = ((rid, writer, self.registry.get_lease(rid)) for rid, writer in leases)
-            return {(rid, writer) for rid, writer, got in found
-                    if got is not None and got.prefill_id == writer and got.state != "pending"}  # fmt: skip
+        def ended(rid: str, writer: str, address: str) -> bool:
+            got = self.registry.get_lease(rid) if self.registry is not None else None
+            return (got is not None and got.prefill_id == writer and got.state != "pending") or listener_gone(address)
 
-        return self._publisher.submit(read)
+        return self._publisher.submit(lambda: {(rid, writer) for rid, writer, address in leases
+                                               if ended(rid, writer, address)})  # fmt: skip
 
     def outcome(self, req: ActiveRequest, kv_cache: KVCache, num_blocks: int) -> tuple[pb.PrefillResponse | None,
                                                                                   str | None, bool]:
@@ -146,19 +144,38 @@ class PrefillClient:
             await asyncio.sleep(REFRESH_S if self.workers else REFRESH_S / 10)  # find the first one fast
 
 
+def listener_gone(address: str) -> bool:
+    """Whether nothing listens at ``address`` (``host:port``) any more: the connection is refused.
+
+    The writers that quarantine waits for (``shm``, ``cuda_ipc``) run on this host, so a refusal is no
+    network fault: the prefill worker's process is gone, or has closed its port, which it does only after
+    its batcher (the only thing that writes) has stopped. A worker restarted on the same port listens
+    again, but it has ended its predecessor's leases itself."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=0.5):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 @dataclass
 class _Held:
     deadline: float  # when the lease runs out (monotonic)
     owner: str  # the blocks' owner name in the block manager meanwhile
     request_id: str
     writer: str  # the prefill worker the lease named
+    address: str  # where it served
 
 
 class Quarantine:
     """Blocks that a failed or abandoned prefill may still write into (``shm``, ``cuda_ipc``), held under a new
-    owner name and never handed to another request until no write can land: the lease has run out, or its
+    owner name and never handed to another request until no write can land: the lease has run out, its
     writer has ended it (in Redis, signed: it stopped writing, or it is a restarted worker whose predecessor
-    died). Redis is polled off the engine loop, at most every ``POLL_S``; without it, the deadline decides."""
+    died), or nothing listens at the writer's address any more (it died and was not restarted). That is
+    checked off the engine loop, at most every ``POLL_S``; failing all of it, the deadline decides."""
 
     POLL_S = 0.2
 
@@ -169,12 +186,12 @@ class Quarantine:
         self._poll: Future | None = None
         self._polled_at = 0.0
         self.num_held = 0  # reservations ever quarantined
-        self.num_freed_early = 0  # ... and freed before their lease ran out, because the writer ended it
+        self.num_freed_early = 0  # ... and freed before their lease ran out
 
-    def hold(self, request_id: str, writer: str, until: float) -> None:
+    def hold(self, request_id: str, writer: str, address: str, until: float) -> None:
         owner = f"{request_id}#stale-{time.monotonic_ns()}"
         self.block_manager.rename(request_id, owner)
-        self._held.append(_Held(until, owner, request_id, writer))
+        self._held.append(_Held(until, owner, request_id, writer, address))
         self.num_held += 1
 
     def free_ended(self) -> None:
@@ -198,4 +215,4 @@ class Quarantine:
         self._held = kept
         if kept and self._poll is None and now - self._polled_at >= self.POLL_S:
             self._polled_at = now
-            self._poll = self.prefills.ended_leases([(h.request_id, h.writer) for h in kept])
+            self._poll = self.prefills.ended_leases([(h.request_id, h.writer, h.address) for h in kept])

@@ -69,6 +69,7 @@ class ActiveRequest:
     cancelled: bool = False  # the client is gone: end it as soon as its blocks are safe to free
     future: Future | None = None  # the in-flight prefill call
     prefill_worker: str = ""
+    prefill_address: str = ""  # where that worker serves (to tell whether it is still there)
     backend: str = "local"
     lease_deadline: float = 0.0
     tried: list[str] = field(default_factory=list)

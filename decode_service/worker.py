@@ -269,7 +269,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
             self.engine.release(req.request_id)
             self.prefills.end_lease(req.request_id, writer)
         elif self.engine.block_manager.has(req.request_id):
-            self.quarantine.hold(req.request_id, writer, req.lease_deadline)
+            self.quarantine.hold(req.request_id, writer, req.prefill_address, req.lease_deadline)
 
     def _emit(self, req: ActiveRequest, out: RequestOutput) -> None:
         req.emit(req.response(out, self.worker_id))

@@ -175,6 +175,52 @@ def test_blocks_of_an_abandoned_prefill_are_freed_when_the_writer_ends_its_lease
             registry.stop()
 
 
+
+@pytest.mark.slow
+def test_blocks_held_for_a_vanished_writer_are_freed_when_nothing_listens_at_its_address(engine_prompts, hf_greedy):
+    """The prefill worker goes away mid-prefill and nobody ends its lease (it has no Redis here): once its
+    port refuses connections the decode worker frees the held blocks, long before the lease's 60 s end, and
+    the request is prefilled locally."""
+    with EmbeddedRedis() as redis:
+        registry = Registry(redis.url, security=TEST_SECURITY, ttl_s=30)
+        prefill_engine = LLMEngine(model="default", num_blocks=64, block_size=16)
+        prefill, prefill_server, prefill_address = _serve_prefill(prefill_engine, max_wait_ms=3000)
+        registry.register(WorkerInfo(worker_id="prefill-b", role="prefill", address=prefill_address,
+                                     fingerprint=prefill.fingerprint))  # fmt: skip
+        engine = LLMEngine(model="default", num_blocks=32, block_size=16, shared_kv_name="decode-v")
+        aio = AsyncioThread()
+        decode = DecodeWorker(engine, "decode-v", "127.0.0.1:0", aio, TEST_SECURITY,
+                              Registry(redis.url, security=TEST_SECURITY), prefill_timeout_s=60.0,
+                              prefill_ms_per_token=0, shm_path=str(engine.runner.kv_pool_path))  # fmt: skip
+        decode.loop.start()
+        server = InProcessServer({"Decode": decode}, aio=aio)
+        try:
+            sampling = pb.SamplingOptions(temperature=0, max_tokens=32, ignore_eos=True)
+            request = pb.DecodeRequest(request_id="vanish", prompt_token_ids=engine_prompts[5], sampling=sampling)
+            with grpc.insecure_channel(server.address) as channel:
+                call = pb_grpc.DecodeStub(channel).Generate(request, timeout=120, metadata=TEST_SECURITY.metadata())
+                deadline = time.monotonic() + 20
+                while not registry_has_lease(redis.url):
+                    assert time.monotonic() < deadline, "the prefill was never leased"
+                    time.sleep(0.02)
+                prefill_server.stop()  # the port closes while the prompt waits in the batch window
+                messages = list(call)
+            assert [t for m in messages for t in m.token_ids] == hf_greedy[5]
+            assert messages[-1].transfer_backend == "local"
+            start = time.monotonic()
+            while engine.block_manager.num_free_blocks != engine.block_manager.num_blocks:
+                assert time.monotonic() - start < 15, "held blocks were not freed after the writer vanished"
+                time.sleep(0.05)
+            assert decode.quarantine.num_held == 1 and decode.quarantine.num_freed_early == 1
+        finally:
+            server.stop()
+            decode.stop()
+            aio.stop()
+            prefill.stop()
+            engine.close()
+            registry.stop()
+
+
 def registry_has_lease(url: str) -> bool:
     import redis as redis_client
 
