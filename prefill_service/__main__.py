@@ -19,7 +19,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-wait-ms", type=float, default=20.0)
     args = parser.parse_args(argv)
     worker_id, security, registry = prepare_worker(args, "prefill")
-    engine = LLMEngine(engine_config_from_args(args))
+    # A prefill worker's requests end after their first token: it never runs a decode step, so capturing
+    # decode CUDA graphs would only cost start-up time and GPU memory.
+    engine = LLMEngine(engine_config_from_args(args).model_copy(update={"enforce_eager": True}))
     worker = PrefillWorker(engine, worker_id, args.advertise or f"{args.host}:{args.port}", security,
                            args.max_batch_tokens, args.max_wait_ms, registry)  # fmt: skip
     if registry is not None and (ended := registry.end_leases_of(worker_id)):

@@ -2,19 +2,20 @@
 # Every GPU check of issue 8 (and of issues 3 and 4) in one run, for a session lent an NVIDIA GPU (the device tool).
 #   here first:  bash scripts/gpu_wheels.sh          (the packages the GPU machine lacks, into .whl/)
 #   then:        device run, command "bash scripts/gpu_check.sh", carry [".whl"], timeout_s 560
-# Each step runs under its own limit (seconds; 470 together, so that with the wheels' install and the
-# machine's start the call takes at most 9 minutes); its output is also written to $OUT/<step>.txt.
-#   kernels-bench  70  decode tile-config sweep (bf16, int8_v, int8 at batch 64, ctx 8192, 32:8, d128; bf16
+# Each step runs under its own limit (seconds; 520 together, so that with the wheels' install the command
+# takes at most 9 minutes; the machine's start comes on top); its output is also written to $OUT/<step>.txt.
+#   kernels-bench  55  decode tile-config sweep (bf16, int8_v, int8 at batch 64, ctx 8192, 32:8, d128; bf16
 #                      d128 ctx 2048 and d64): INT8 vs bf16, and _MEASURED_CONFIGS entries for this GPU
-#   gpu-tests      85  every test marked gpu under tests/
+#   gpu-tests     170  every test marked gpu under tests/ (kernels in bf16 at large shapes, graphs vs eager,
+#                      the engine vs transformers, launches per layer, cuda_ipc, a 1P+1D cluster on the GPU)
 #   cuda-ipc       20  kvserve bench cuda_ipc: a 2,048-token Qwen2-0.5B KV into another process's pool
 #   random-model   25  a random Qwen2-0.5B (24 layers, bf16) in /tmp/qwen2-0.5b
-#   offline       130  kvserve bench offline: a profile of decode steps (launches per layer, GPU busy; eager
+#   offline       125  kvserve bench offline: a profile of decode steps (launches per layer, GPU busy; eager
 #                      and CUDA graphs), then batches of 1, 64, 256 prompts of 128 tokens, 256 new tokens
 #                      each: the engine against transformers' static cache + torch.compile (which
 #                      compiles per batch size: the 256 row is the first to go if that is slow)
 #   nano-vllm      40  nano-vllm's workload (256 requests, 100-1,024 tokens in and out), the engine alone
-#   cluster       100  kvserve bench serve --device cuda: TTFT/TPOT of a 1P+1D cluster on this GPU against the
+#   cluster        85  kvserve bench serve --device cuda: TTFT/TPOT of a 1P+1D cluster on this GPU against the
 #                      offline engine, and the KV hand-off of a 2,048-token prompt
 # GPU_CHECK_SMOKE=1 (tests/test_gpu_check_script.py, on a CPU) runs the same command lines with tiny sizes
 # on the model directory GPU_CHECK_MODEL, with $PYTHON and no wheels; a step marked --smoke-parse (it needs
@@ -70,13 +71,13 @@ step() {  # step NAME SECONDS [--smoke-parse] -m MODULE ARGS...
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   "$py" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
 } 2>&1 | tee "$out/machine.txt"
-step kernels-bench 70 -m kernels.bench --sweep-only
-step gpu-tests 85 -m pytest -q -s -rs -m gpu -p no:cacheprovider tests
+step kernels-bench 55 -m kernels.bench --sweep-only
+step gpu-tests 170 -m pytest -q -s -rs -m gpu -p no:cacheprovider tests
 step cuda-ipc 20 -m kvserve.bench.cuda_ipc
 step random-model 25 --smoke-parse -m kvserve.cli model random --like qwen2-0.5b --out "$model" --dtype bfloat16
-step offline 130 -m kvserve.bench.offline --model "$model" --baseline hf-static --batch-sizes "$batch_sizes" \
+step offline 125 -m kvserve.bench.offline --model "$model" --baseline hf-static --batch-sizes "$batch_sizes" \
     --prompt-len "$prompt_len" --max-tokens "$max_tokens" --profile --profile-batch "$profile_batch" \
     --profile-steps "$profile_steps"
 step nano-vllm 40 -m kvserve.bench.offline --model "$model" --baseline none --workload nano-vllm \
     --nano-requests "$nano_requests" --nano-lengths "$nano_lengths"
-step cluster 100 --smoke-parse -m kvserve.bench.serve --device cuda --model "$model"
+step cluster 85 --smoke-parse -m kvserve.bench.serve --device cuda --model "$model"

@@ -73,11 +73,12 @@ def test_1p1d_on_one_gpu_hands_off_by_cuda_ipc_with_the_offline_engines_tokens(t
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 150000) for _ in range(n)] for n in PROMPT_LENGTHS]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    llm = LLM(str(model), device="cuda", skip_tokenizer_init=True, num_blocks=256)
+    llm = LLM(str(model), device="cuda", skip_tokenizer_init=True, num_blocks=256, max_num_seqs=8)
     expected = [llm.generate([p], params)[0].token_ids for p in prompts]  # one at a time, like the cluster
     torch.cuda.empty_cache()  # the workers' shares are of the whole GPU: leave them the free memory
     cluster = start_cluster(port=free_base_port(2), engine_argv=["--model", str(model), "--device", "cuda",
-                                                                 "--skip-tokenizer-init", "true"],
+                                                                 "--skip-tokenizer-init", "true",
+                                                                 "--max-num-seqs", "8"],
                             prefill_gpu_memory_utilization=0.2, decode_gpu_memory_utilization=0.3,
                             log_dir=tmp_path)  # fmt: skip
     try:

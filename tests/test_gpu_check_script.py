@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 WHEELS = ROOT / ".whl"
 STEPS = re.findall(r"^step (\S+) (\d+) ", SCRIPT.read_text(), flags=re.MULTILINE)  # (name, seconds)
-DEVICE_STEPS_BUDGET_S = 470  # 9 minutes, less the machine's start (~1 minute) and the wheels' install
+DEVICE_STEPS_BUDGET_S = 525  # 9 minutes of command time (the machine's start is not in it), less the wheels' install
 
 
 def test_script_is_valid_bash():
