@@ -65,11 +65,14 @@ class DecodeGraphs:
                 self._logits[:bucket].copy_(decode_forward(model, kv_layers, inputs, bucket))
             self._graphs[bucket] = graph
         torch.cuda.synchronize(device)
-        used = free_before - torch.cuda.mem_get_info(device)[0]
-        log.info(
-            "captured %d decode CUDA graphs (batch %d..%d) in %.1f s, %.0f MiB of GPU memory",
-            len(self._graphs), inputs.buckets[0], inputs.buckets[-1], time.perf_counter() - began, used / 2**20,
-        )  # fmt: skip
+        self.capture_s = time.perf_counter() - began
+        self.memory_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+        log.info("%s", self.summary())
+
+    def summary(self) -> str:
+        buckets = sorted(self._graphs)
+        return (f"captured {len(buckets)} decode CUDA graphs (batch {buckets[0]}..{buckets[-1]}) in "
+                f"{self.capture_s:.1f} s, {self.memory_bytes / 2**20:.0f} MiB of GPU memory")  # fmt: skip
 
     def replay(self, bucket: int) -> torch.Tensor:
         """Run ``bucket``'s graph; its logits ``(bucket, vocab)``, overwritten by the next replay."""

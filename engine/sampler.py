@@ -3,14 +3,16 @@
 One step: greedy rows without a repetition penalty take one argmax (the all-greedy batch does nothing else).
 Otherwise the per-row settings travel to the device as one packed int64 array, the penalty rows are
 penalized, and the sampling rows are scaled by their temperature, filtered (top-k, then the top-p nucleus,
-with one batched sort shared by every row when any row asks for a filter) and drawn by an exponential race.
+with one batched sort shared by every row when any row asks for a filter) and drawn by the Gumbel-max trick
+(``kernels.gumbel_argmax``: one fused pass over the logits on a GPU, its noise made in registers).
 Nothing here waits for the device: the caller makes the one device-to-host copy of the token ids.
 
 Randomness is counter-based. The noise for token ``t`` of a row is a hash of (the request's stream seed, the
-position it samples, ``t``), so a row's draw never depends on which other requests share its batch, and a
-worker that continues a request at position ``P + 1`` continues the same stream as the one that sampled
-``P``. A request that brought no seed gets a stream seed drawn from the sampler's own seeded RNG when it is
-created (``stream_seed``), so a whole engine run is reproducible too.
+position it samples, ``t``), splitmix64 as ``kernels.reference.uniform_noise`` defines it, so a row's draw never
+depends on which other requests share its batch, and a worker that continues a request at position ``P + 1``
+continues the same stream as the one that sampled ``P``. A request that brought no seed gets a stream seed
+drawn from the sampler's own seeded RNG when it is created (``stream_seed``), so a whole engine run is
+reproducible too.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+import kernels
 from engine.sampling_params import SamplingParams
 
 _MOD64 = 1 << 64
@@ -32,41 +35,6 @@ _MOD64 = 1 << 64
 def to_int64(value: int) -> int:
     """``value`` modulo 2**64, as the signed 64-bit integer with those bits."""
     return (value + (1 << 63)) % _MOD64 - (1 << 63)
-
-
-# splitmix64's constants as signed int64 (torch has no uint64 arithmetic; int64 wraps with the same bits)
-_GOLDEN = to_int64(0x9E3779B97F4A7C15)
-_MIX1 = to_int64(0xBF58476D1CE4E5B9)
-_MIX2 = to_int64(0x94D049BB133111EB)
-
-
-def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (``>>`` is arithmetic on int64 and would copy the sign bit in)."""
-    return (x >> bits).bitwise_and_((1 << (64 - bits)) - 1)
-
-
-def _mix64_(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer in place: a bijection of 64-bit values whose every output bit depends on every
-    input bit. ``x`` int64, any shape."""
-    x ^= _shr(x, 30)
-    x *= _MIX1
-    x ^= _shr(x, 27)
-    x *= _MIX2
-    x ^= _shr(x, 31)
-    return x
-
-
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``seeds (rows,)``, ``positions (rows,)`` int64 -> ``(rows, vocab_size)`` float32 uniforms in (0, 1).
-
-    Entry ``[r, t]`` is a function of ``(seeds[r], positions[r], t)`` alone: the ``t + 1``-th output of a
-    splitmix64 generator whose state starts at ``mix(mix(seed) + position)``. The top 23 bits make the
-    uniform ``(k + 0.5) / 2**23``, exact in float32 and never 0 or 1.
-    """
-    keys = _mix64_(_mix64_(seeds.clone()) + positions)  # (rows,)
-    counters = torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64) * _GOLDEN  # (vocab,)
-    bits = _mix64_(keys[:, None] + counters)  # (rows, vocab)
-    return (_shr(bits, 41).float() + 0.5) * 2.0**-23
 
 
 class SampledSequence(Protocol):
@@ -177,9 +145,7 @@ class Sampler:
         scaled = logits[rows_idx] / temperatures[:, None]  # (sampling rows, vocab)
         if filtered:
             scaled = _filter_top_k_top_p(scaled, top_k_t, top_p_t)
-        probs = scaled.softmax(-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) per token draws a token with probability p.
-        drawn = (probs / -uniform_noise(seeds, positions, self.vocab_size).log_()).argmax(-1)
+        drawn = kernels.gumbel_argmax(scaled, seeds, positions)
         if len(sampling) == len(seqs):
             return drawn
         tokens = logits.argmax(-1)

@@ -19,6 +19,7 @@ from kernels import reference
 
 __all__ = [
     "add_rms_norm",
+    "gumbel_argmax",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rotary_embedding",
@@ -34,6 +35,7 @@ _TRITON_MODULES = {
     "add_rms_norm": "kernels.norm",
     "rotary_embedding": "kernels.rotary",
     "silu_and_mul": "kernels.activation",
+    "gumbel_argmax": "kernels.sampling",
 }
 
 
@@ -142,3 +144,9 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) ->
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a fused ``(tokens, 2 * I)`` gate/up output; see ``reference.silu_and_mul``."""
     return _implementation("silu_and_mul", gate_up.device)(gate_up)
+
+
+def gumbel_argmax(scaled_logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``scaled_logits (rows, vocab)`` float32 with the counter-based noise of ``seeds``
+    and ``positions`` ``(rows,)`` int64 -> ``(rows,)`` int64; see ``reference.gumbel_argmax``."""
+    return _implementation("gumbel_argmax", scaled_logits.device)(scaled_logits, seeds, positions)

@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from kernels import activation, decode_attention, norm, prefill_attention, rotary, store_kv
+from kernels import activation, decode_attention, norm, prefill_attention, rotary, sampling, store_kv
 
 _POINTER_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int8: "*i8",
                   torch.int32: "*i32", torch.int64: "*i64"}  # fmt: skip
@@ -118,6 +118,8 @@ def _variants(dtype: torch.dtype):
             (q, k, torch.empty(100, head_dim)), {}
         gate_up = torch.empty(100, 2 * intermediate, dtype=dtype)
         yield f"silu*mul i{intermediate}", activation.silu_and_mul, (gate_up,), {}
+    rows = torch.empty(256, dtype=torch.int64)  # the sampler's draw: float32 logits, whatever the model dtype
+    yield "gumbel argmax v151936", sampling.gumbel_argmax, (torch.empty(256, 151936), rows, rows), {}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@
 #   offline       125  kvserve bench offline: a profile of decode steps (launches per layer, GPU busy; eager
 #                      and CUDA graphs), then batches of 1, 64, 256 prompts of 128 tokens, 256 new tokens
 #                      each: the engine against transformers' static cache + torch.compile (which
-#                      compiles per batch size: the 256 row is the first to go if that is slow)
+#                      compiles per batch size, so batch 256 runs the engine alone, as in issue 8's table)
 #   nano-vllm      40  nano-vllm's workload (256 requests, 100-1,024 tokens in and out), the engine alone
 #   cluster        85  kvserve bench serve --device cuda: TTFT/TPOT of a 1P+1D cluster on this GPU against the
 #                      offline engine, and the KV hand-off of a 2,048-token prompt
@@ -76,8 +76,8 @@ step gpu-tests 170 -m pytest -q -s -rs -m gpu -p no:cacheprovider tests
 step cuda-ipc 20 -m kvserve.bench.cuda_ipc
 step random-model 25 --smoke-parse -m kvserve.cli model random --like qwen2-0.5b --out "$model" --dtype bfloat16
 step offline 125 -m kvserve.bench.offline --model "$model" --baseline hf-static --batch-sizes "$batch_sizes" \
-    --prompt-len "$prompt_len" --max-tokens "$max_tokens" --profile --profile-batch "$profile_batch" \
-    --profile-steps "$profile_steps"
+    --baseline-max-batch 64 --prompt-len "$prompt_len" --max-tokens "$max_tokens" --profile \
+    --profile-batch "$profile_batch" --profile-steps "$profile_steps"
 step nano-vllm 40 -m kvserve.bench.offline --model "$model" --baseline none --workload nano-vllm \
     --nano-requests "$nano_requests" --nano-lengths "$nano_lengths"
 step cluster 85 --smoke-parse -m kvserve.bench.serve --device cuda --model "$model"

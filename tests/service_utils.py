@@ -11,7 +11,7 @@ TEST_SECURITY = Security(token="test-cluster-token")
 
 class InProcessServer:
     """``services`` ({"Decode": servicer, ...}) on 127.0.0.1 at a free port, on ``aio`` (a new loop thread when
-    None). ``address`` is where to dial; ``stop()`` ends the server (and the loop thread if it made it)."""
+    None). ``address`` is where to dial; ``stop()`` ends the server (and the loop thread if it made it), once."""
 
     def __init__(self, services: dict[str, object], security: Security = TEST_SECURITY,
                  aio: AsyncioThread | None = None) -> None:  # fmt: skip
@@ -26,8 +26,12 @@ class InProcessServer:
 
         self.server, port = self.aio.run(start())
         self.address = f"127.0.0.1:{port}"
+        self._stopped = False
 
     def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
         self.aio.run(self.server.stop(0))
         if self._own_loop:
             self.aio.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -80,39 +81,27 @@ def test_concurrent_prefills_share_one_batch(engine_prompts):
         worker.stop()
 
 
-@pytest.mark.slow
-def test_expired_lease_quarantines_blocks_and_the_request_completes(engine_prompts, hf_greedy):
+@contextmanager
+def _slow_prefill_and_decode(name: str, max_wait_ms: float, prefill_timeout_s: float, prefill_redis: bool):
+    """A Redis, one registered prefill worker that holds each batch open for ``max_wait_ms`` (with Redis to end
+    its leases in only when ``prefill_redis``), and a decode worker with a shared pool that finds it there.
+    Yields (redis url, prefill worker, its server, its engine, decode worker, its engine, decode address)."""
     with EmbeddedRedis() as redis:
         registry = Registry(redis.url, security=TEST_SECURITY, ttl_s=30)
-        slow_engine = LLMEngine(model="default", num_blocks=64, block_size=16)
-        prefill, prefill_server, prefill_address = _serve_prefill(slow_engine, max_wait_ms=4000)
-        # the slow prefill worker is the only one registered; it holds each batch open for 4 s
-        prefill_info = WorkerInfo(worker_id="prefill-b", role="prefill", address=prefill_address,
-                                  fingerprint=prefill.fingerprint)  # fmt: skip
-        registry.register(prefill_info)
-        engine = LLMEngine(model="default", num_blocks=32, block_size=16, shared_kv_name="decode-l")
+        prefill_engine = LLMEngine(model="default", num_blocks=64, block_size=16)
+        prefill, prefill_server, prefill_address = _serve_prefill(prefill_engine, max_wait_ms,
+                                                                  registry if prefill_redis else None)  # fmt: skip
+        registry.register(WorkerInfo(worker_id="prefill-b", role="prefill", address=prefill_address,
+                                     fingerprint=prefill.fingerprint))  # fmt: skip
+        engine = LLMEngine(model="default", num_blocks=32, block_size=16, shared_kv_name=name)
         aio = AsyncioThread()
-        decode = DecodeWorker(engine, "decode-l", "127.0.0.1:0", aio, TEST_SECURITY,
-                              Registry(redis.url, security=TEST_SECURITY), prefill_timeout_s=1.0,
+        decode = DecodeWorker(engine, name, "127.0.0.1:0", aio, TEST_SECURITY,
+                              Registry(redis.url, security=TEST_SECURITY), prefill_timeout_s=prefill_timeout_s,
                               prefill_ms_per_token=0, shm_path=str(engine.runner.kv_pool_path))  # fmt: skip
         decode.loop.start()
         server = InProcessServer({"Decode": decode}, aio=aio)
         try:
-            sampling = pb.SamplingOptions(temperature=0, max_tokens=32, ignore_eos=True)
-            request = pb.DecodeRequest(request_id="lease", prompt_token_ids=engine_prompts[5], sampling=sampling)
-            with grpc.insecure_channel(server.address) as channel:
-                call = pb_grpc.DecodeStub(channel).Generate(request, timeout=120, metadata=TEST_SECURITY.metadata())
-                messages = list(call)
-            assert [t for m in messages for t in m.token_ids] == hf_greedy[5]
-            assert messages[-1].transfer_backend == "local"  # the lease expired, so it was prefilled here
-            assert decode.quarantine.num_held == 1  # its first blocks were held back, not reused at once
-            time.sleep(4.5)  # past the slow batch window: the abandoned job must not have run
-            assert prefill.batch_sizes == [1] and prefill.num_cancelled == 1
-            assert slow_engine.block_manager.num_free_blocks == slow_engine.block_manager.num_blocks
-            deadline = time.monotonic() + 10  # the late writer finishes; the quarantine ends after the timeout
-            while engine.block_manager.num_free_blocks != engine.block_manager.num_blocks:
-                assert time.monotonic() < deadline, "quarantined blocks were never freed"
-                time.sleep(0.1)
+            yield redis.url, prefill, prefill_server, prefill_engine, decode, engine, server.address
         finally:
             server.stop()
             decode.stop()
@@ -121,6 +110,40 @@ def test_expired_lease_quarantines_blocks_and_the_request_completes(engine_promp
             prefill.stop()
             engine.close()
             registry.stop()
+
+
+def _generate(address: str, request_id: str, prompt: list[int], max_tokens: int):
+    """A streaming Generate call to a decode worker (iterate it for the messages, or cancel it)."""
+    sampling = pb.SamplingOptions(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    request = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
+    channel = grpc.insecure_channel(address)
+    return channel, pb_grpc.DecodeStub(channel).Generate(request, timeout=120, metadata=TEST_SECURITY.metadata())
+
+
+def _wait(condition, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, what
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_expired_lease_quarantines_blocks_and_the_request_completes(engine_prompts, hf_greedy):
+    # the prefill worker holds each batch open for 4 s, longer than the decode worker waits for a prefill
+    with _slow_prefill_and_decode("decode-l", 4000, 1.0, False) as (_, prefill, _, prefill_engine, decode, engine,
+                                                                    address):  # fmt: skip
+        channel, call = _generate(address, "lease", engine_prompts[5], 32)
+        with channel:
+            messages = list(call)
+        assert [t for m in messages for t in m.token_ids] == hf_greedy[5]
+        assert messages[-1].transfer_backend == "local"  # the lease expired, so it was prefilled here
+        assert decode.quarantine.num_held == 1  # its first blocks were held back, not reused at once
+        time.sleep(4.5)  # past the slow batch window: the abandoned job must not have run
+        assert prefill.batch_sizes == [1] and prefill.num_cancelled == 1
+        assert prefill_engine.block_manager.num_free_blocks == prefill_engine.block_manager.num_blocks
+        pool = engine.block_manager  # the late writer finishes; the quarantine ends after the timeout
+        _wait(lambda: pool.num_free_blocks == pool.num_blocks, 10, "quarantined blocks were never freed")
 
 
 @pytest.mark.slow
@@ -128,52 +151,18 @@ def test_blocks_of_an_abandoned_prefill_are_freed_when_the_writer_ends_its_lease
     """A client gives up while its prompt waits in a prefill worker's batch: the decode worker holds the blocks
     back (the writer may still touch them) until the writer ends its lease in Redis, long before the lease's
     60 s run out."""
-    with EmbeddedRedis() as redis:
-        registry = Registry(redis.url, security=TEST_SECURITY, ttl_s=30)
-        prefill_engine = LLMEngine(model="default", num_blocks=64, block_size=16)
-        prefill, prefill_server, prefill_address = _serve_prefill(prefill_engine, max_wait_ms=1500, registry=registry)
-        registry.register(WorkerInfo(worker_id="prefill-b", role="prefill", address=prefill_address,
-                                     fingerprint=prefill.fingerprint))  # fmt: skip
-        engine = LLMEngine(model="default", num_blocks=32, block_size=16, shared_kv_name="decode-q")
-        aio = AsyncioThread()
-        decode = DecodeWorker(engine, "decode-q", "127.0.0.1:0", aio, TEST_SECURITY,
-                              Registry(redis.url, security=TEST_SECURITY), prefill_timeout_s=60.0,
-                              prefill_ms_per_token=0, shm_path=str(engine.runner.kv_pool_path))  # fmt: skip
-        decode.loop.start()
-        server = InProcessServer({"Decode": decode}, aio=aio)
-        try:
-            sampling = pb.SamplingOptions(temperature=0, max_tokens=8, ignore_eos=True)
-            request = pb.DecodeRequest(request_id="gone", prompt_token_ids=engine_prompts[5], sampling=sampling)
-            with grpc.insecure_channel(server.address) as channel:
-                call = pb_grpc.DecodeStub(channel).Generate(request, timeout=120, metadata=TEST_SECURITY.metadata())
-                deadline = time.monotonic() + 20
-                while not registry_has_lease(redis.url):
-                    assert time.monotonic() < deadline, "the prefill was never leased"
-                    time.sleep(0.02)
-                call.cancel()
-            deadline = time.monotonic() + 20
-            while decode.quarantine.num_held == 0:
-                assert time.monotonic() < deadline, "the abandoned blocks were not held back"
-                time.sleep(0.02)
-            start = time.monotonic()
-            while engine.block_manager.num_free_blocks != engine.block_manager.num_blocks:
-                assert time.monotonic() - start < 15, "held blocks were not freed when the writer ended its lease"
-                time.sleep(0.05)
-            assert decode.quarantine.num_freed_early == 1  # by the writer's word, not by the 60 s deadline
-            assert prefill.num_cancelled == 1
-            deadline = time.monotonic() + 5
-            while registry_has_lease(redis.url):  # the holder deleted the ended lease
-                assert time.monotonic() < deadline, "the ended lease was left in Redis"
-                time.sleep(0.05)
-        finally:
-            server.stop()
-            decode.stop()
-            aio.stop()
-            prefill_server.stop()
-            prefill.stop()
-            engine.close()
-            registry.stop()
-
+    with _slow_prefill_and_decode("decode-q", 1500, 60.0, True) as (url, prefill, _, _, decode, engine, address):
+        channel, call = _generate(address, "gone", engine_prompts[5], 8)
+        with channel:
+            _wait(lambda: registry_has_lease(url), 20, "the prefill was never leased")
+            call.cancel()
+        _wait(lambda: decode.quarantine.num_held == 1, 20, "the abandoned blocks were not held back")
+        pool = engine.block_manager
+        _wait(lambda: pool.num_free_blocks == pool.num_blocks, 15, "held blocks were not freed when the writer "
+              "ended its lease")  # fmt: skip
+        assert decode.quarantine.num_freed_early == 1  # by the writer's word, not by the 60 s deadline
+        assert prefill.num_cancelled == 1
+        _wait(lambda: not registry_has_lease(url), 5, "the ended lease was left in Redis")  # the holder deleted it
 
 
 @pytest.mark.slow
@@ -181,44 +170,19 @@ def test_blocks_held_for_a_vanished_writer_are_freed_when_nothing_listens_at_its
     """The prefill worker goes away mid-prefill and nobody ends its lease (it has no Redis here): once its
     port refuses connections the decode worker frees the held blocks, long before the lease's 60 s end, and
     the request is prefilled locally."""
-    with EmbeddedRedis() as redis:
-        registry = Registry(redis.url, security=TEST_SECURITY, ttl_s=30)
-        prefill_engine = LLMEngine(model="default", num_blocks=64, block_size=16)
-        prefill, prefill_server, prefill_address = _serve_prefill(prefill_engine, max_wait_ms=3000)
-        registry.register(WorkerInfo(worker_id="prefill-b", role="prefill", address=prefill_address,
-                                     fingerprint=prefill.fingerprint))  # fmt: skip
-        engine = LLMEngine(model="default", num_blocks=32, block_size=16, shared_kv_name="decode-v")
-        aio = AsyncioThread()
-        decode = DecodeWorker(engine, "decode-v", "127.0.0.1:0", aio, TEST_SECURITY,
-                              Registry(redis.url, security=TEST_SECURITY), prefill_timeout_s=60.0,
-                              prefill_ms_per_token=0, shm_path=str(engine.runner.kv_pool_path))  # fmt: skip
-        decode.loop.start()
-        server = InProcessServer({"Decode": decode}, aio=aio)
-        try:
-            sampling = pb.SamplingOptions(temperature=0, max_tokens=32, ignore_eos=True)
-            request = pb.DecodeRequest(request_id="vanish", prompt_token_ids=engine_prompts[5], sampling=sampling)
-            with grpc.insecure_channel(server.address) as channel:
-                call = pb_grpc.DecodeStub(channel).Generate(request, timeout=120, metadata=TEST_SECURITY.metadata())
-                deadline = time.monotonic() + 20
-                while not registry_has_lease(redis.url):
-                    assert time.monotonic() < deadline, "the prefill was never leased"
-                    time.sleep(0.02)
-                prefill_server.stop()  # the port closes while the prompt waits in the batch window
-                messages = list(call)
-            assert [t for m in messages for t in m.token_ids] == hf_greedy[5]
-            assert messages[-1].transfer_backend == "local"
-            start = time.monotonic()
-            while engine.block_manager.num_free_blocks != engine.block_manager.num_blocks:
-                assert time.monotonic() - start < 15, "held blocks were not freed after the writer vanished"
-                time.sleep(0.05)
-            assert decode.quarantine.num_held == 1 and decode.quarantine.num_freed_early == 1
-        finally:
-            server.stop()
-            decode.stop()
-            aio.stop()
-            prefill.stop()
-            engine.close()
-            registry.stop()
+    with _slow_prefill_and_decode("decode-v", 3000, 60.0, False) as (url, _, prefill_server, _, decode, engine,
+                                                                     address):  # fmt: skip
+        channel, call = _generate(address, "vanish", engine_prompts[5], 32)
+        with channel:
+            _wait(lambda: registry_has_lease(url), 20, "the prefill was never leased")
+            prefill_server.stop()  # the port closes while the prompt waits in the batch window
+            messages = list(call)
+        assert [t for m in messages for t in m.token_ids] == hf_greedy[5]
+        assert messages[-1].transfer_backend == "local"
+        pool = engine.block_manager
+        _wait(lambda: pool.num_free_blocks == pool.num_blocks, 15, "held blocks were not freed after the writer "
+              "vanished")  # fmt: skip
+        assert decode.quarantine.num_held == 1 and decode.quarantine.num_freed_early == 1
 
 
 def registry_has_lease(url: str) -> bool:

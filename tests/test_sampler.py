@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine.sampler import Sampler, uniform_noise
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
+from kernels.reference import uniform_noise
 
 CPU = torch.device("cpu")
 UINT64 = (1 << 64) - 1
@@ -64,8 +65,9 @@ def reference_token(logits: torch.Tensor, seq: Seq) -> int:
         probs = ordered.softmax(-1)
         drop = (probs.cumsum(-1) - probs) >= p.top_p
         row = row.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    # Gumbel-max: the exponential race argmax(p / E), E = -log(u), in logs (log p = logit - a row constant)
     noise = -torch.tensor(reference_uniforms(seq.sampling_seed, seq.num_tokens, row.numel())).log()
-    return int((row.softmax(-1) / noise).argmax())
+    return int((row - noise.log()).argmax())
 
 
 MIXED = [

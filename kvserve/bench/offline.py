@@ -83,9 +83,10 @@ def random_lengths(llm, baseline: TransformersBaseline | None, args: argparse.Na
 
 
 def batch_rows(llm, baseline: TransformersBaseline | None, batch_sizes: list[int], prompt_len: int,
-               max_tokens: int) -> None:  # fmt: skip
-    """One row per batch size: the engine, then the baseline, on the same prompts (engine warm-up prompts
-    differ from the timed ones, so the prefix cache cannot skip the timed prefill)."""
+               max_tokens: int, baseline_max_batch: int | None = None) -> None:  # fmt: skip
+    """One row per batch size: the engine, then the baseline (up to ``baseline_max_batch`` prompts), on the
+    same prompts (engine warm-up prompts differ from the timed ones, so the prefix cache cannot skip the
+    timed prefill)."""
     name = baseline.name if baseline else "baseline"
     print(f"\n{prompt_len}-token prompts, {max_tokens} new tokens each, greedy, EOS ignored (output tokens/s)")
     print(f"{'batch':>5} {'engine':>10} {name:>10} {'engine/' + name:>17}")
@@ -94,8 +95,8 @@ def batch_rows(llm, baseline: TransformersBaseline | None, batch_sizes: list[int
         llm.generate(make_prompts(batch, prompt_len, prompt_len, _vocab(llm), seed=-batch), _greedy(2))
         engine_s, _ = run_engine(llm, prompts, _greedy(max_tokens))
         engine_rate = batch * max_tokens / engine_s
-        if baseline is None:
-            print(f"{batch:>5} {engine_rate:10.1f}", flush=True)
+        if baseline is None or (baseline_max_batch is not None and batch > baseline_max_batch):
+            print(f"{batch:>5} {engine_rate:10.1f} {'-':>10}", flush=True)
             continue
         baseline_rate = batch * max_tokens / baseline.run(prompts, max_tokens)[0]
         print(f"{batch:>5} {engine_rate:10.1f} {baseline_rate:10.1f} {engine_rate / baseline_rate:16.2f}x", flush=True)
@@ -143,6 +144,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="default")
     parser.add_argument("--baseline", choices=BASELINES, default="hf", help="transformers' generate to compare with")
     parser.add_argument("--no-compile", action="store_true", help="hf-static without torch.compile")
+    parser.add_argument("--baseline-max-batch", type=int, default=None,
+                        help="--batch-sizes rows above this run the engine alone (each new batch size "
+                        "recompiles hf-static)")  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--min-len", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=256)
@@ -185,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(args.model, **options)
     runner = llm.engine.runner
     print(f"dtype {runner.dtype}, device {runner.device}, {torch.get_num_threads()} threads", flush=True)
+    print(runner.graphs.summary() if runner.graphs is not None else "decode CUDA graphs: none (eager)", flush=True)
     if args.profile:
         graphs = profile_decode_steps(llm, args.profile_batch, args.prompt_len, args.profile_steps)
         print_profiles(eager, graphs, args.profile_batch, args.prompt_len, args.profile_steps)
@@ -193,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         baseline = TransformersBaseline(resolve_model(args.model), runner.dtype, runner.device,
                                         static=args.baseline == "hf-static", compiled=not args.no_compile)  # fmt: skip
     if args.batch_sizes:
-        batch_rows(llm, baseline, args.batch_sizes, args.prompt_len, args.max_tokens or 256)
+        batch_rows(llm, baseline, args.batch_sizes, args.prompt_len, args.max_tokens or 256, args.baseline_max_batch)
     if args.workload == "nano-vllm":
         nano_vllm_workload(llm, args.nano_requests, *args.nano_lengths)
     elif args.workload == "random":

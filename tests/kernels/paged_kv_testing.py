@@ -39,7 +39,7 @@ def interpreted_triton():
 
 
 _KERNEL_MODULES = ("kernels.tiles", "kernels.store_kv", "kernels.decode_attention", "kernels.prefill_attention",
-                   "kernels.norm", "kernels.rotary", "kernels.activation")  # fmt: skip
+                   "kernels.norm", "kernels.rotary", "kernels.activation", "kernels.sampling")  # fmt: skip
 
 
 def _import_interpreted_triton() -> None:
@@ -71,7 +71,7 @@ def triton_ops() -> SimpleNamespace:
     """
     if not HAS_CUDA:
         _import_interpreted_triton()
-    store, decode, prefill = (importlib.import_module(name) for name in _KERNEL_MODULES[1:])
+    store, decode, prefill = (importlib.import_module(name) for name in _KERNEL_MODULES[1:4])
     return SimpleNamespace(
         decode=decode.paged_decode_attention,
         prefill=prefill.paged_prefill_attention,
