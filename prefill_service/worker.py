@@ -29,26 +29,17 @@ import dataclasses
 import logging
 import queue
 import time
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import grpc
-import torch
 
 from engine import LLMEngine, SamplingParams
 from kvstore.kv_cache import KVCache
 from kvstore.registry import Registry
-from kvstore.transfer import (
-    checksum,
-    checksum_blocks,
-    chunked,
-    fingerprint,
-    open_cuda_ipc_pool,
-    open_shared_pool,
-    pool_dir,
-    read_blocks,
-)
+from kvstore.transfer import checksum_blocks, chunked, fingerprint, pool_dir, read_blocks
 from kvstore.workers import WorkerInfo, local_host_id
+from prefill_service.destinations import Destinations, UnknownBackend
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc import lease, metrics
@@ -93,15 +84,13 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         self.max_wait_s = max_wait_ms / 1000
         runner = engine.runner
         self.fingerprint = fingerprint(engine.model_config.architecture, runner.kv_spec)
-        self._pools: dict[str, KVCache] = {}  # opened on the event loop only
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.destinations = Destinations(runner.kv_spec, self.fingerprint, worker_id, security, registry,
+                                         runner.device)  # fmt: skip
         self._jobs: queue.Queue[PrefillJob] = queue.Queue()
         self._num_running = 0
         self.batch_sizes: list[int] = []  # requests per batch, in order (for tests and stats)
         self.num_cancelled = 0  # jobs dropped because their caller gave up
         self._drain_deadline: float | None = None
-        self.registry = registry
-        self._lease_ends = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease-ends")  # Redis, off the loop
         self.loop = Loop(self._batch_once, "prefill-batcher")  # the process's main thread runs it (see Loop)
 
     # -- gRPC (event loop) ----------------------------------------------------------------------------
@@ -132,7 +121,12 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         if len(dest.block_ids) < num_blocks:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{len(dest.block_ids)} blocks cannot hold {len(prompt) - held} tokens")  # fmt: skip
-        pool = await self._destination_pool(dest, context)
+        try:
+            pool = self.destinations.pool(dest)
+        except UnknownBackend as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except (OSError, RuntimeError, ValueError) as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the decode worker's KV pool: {err}")
         job = PrefillJob(request.request_id, prompt, params, dest, pool, held)
         self._jobs.put(job)
         try:
@@ -148,7 +142,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             digest = await asyncio.to_thread(checksum_blocks, pool, dst_blocks)
         else:
             try:
-                digest = await self._push(dest, request.request_id, dst_blocks, result.chunks)
+                digest = await self.destinations.push(dest, request.request_id, dst_blocks, result.chunks)
             except grpc.aio.AioRpcError as err:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"pushing the KV to decode worker "
                                     f"{dest.worker_id} failed: {err.code().name}: {err.details()}")  # fmt: skip
@@ -162,41 +156,6 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             transfer_ms=(time.perf_counter() - start) * 1000,
             worker_id=self.worker_id,
         )
-
-    async def _destination_pool(self, dest: pb.KVDestination, context: grpc.aio.ServicerContext) -> KVCache | None:
-        """The decode worker's pool, opened once per pool (``shm``, ``cuda_ipc``); None for ``grpc``."""
-        spec = self.engine.runner.kv_spec
-        try:
-            if dest.backend == "shm":
-                key = f"shm:{dest.shm_path}"
-                if key not in self._pools:
-                    self._pools[key] = open_shared_pool(spec, dest.num_blocks, dest.shm_path)
-            elif dest.backend == "cuda_ipc":
-                key = f"cuda_ipc:{dest.worker_id}:{dest.cuda_ipc_handle[:64].hex()}"
-                if key not in self._pools:
-                    self._pools[key] = open_cuda_ipc_pool(spec, dest.num_blocks, dest.cuda_ipc_handle)
-            elif dest.backend == "grpc":
-                return None
-            else:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"transfer backend {dest.backend!r} is not served here")  # fmt: skip
-        except (OSError, RuntimeError, ValueError) as err:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the decode worker's KV pool: {err}")
-        return self._pools[key]
-
-    async def _push(self, dest: pb.KVDestination, request_id: str, dst_blocks: list[int], chunks: list[bytes]) -> str:
-        dst_chunks = chunked(dst_blocks)
-
-        async def messages():
-            for i, data in enumerate(chunks):
-                yield pb.KVChunk(request_id=request_id, fingerprint=self.fingerprint, block_ids=dst_chunks[i],
-                                 data=data, checksum=checksum(data))  # fmt: skip
-
-        if dest.address not in self._channels:
-            self._channels[dest.address] = self.security.aio_channel(dest.address)
-        stub = pb_grpc.KVTransferStub(self._channels[dest.address])
-        reply = await stub.PushKV(messages(), timeout=30, metadata=self.security.metadata(self.worker_id))
-        return reply.checksum
 
     # -- batcher --------------------------------------------------------------------------------------
 
@@ -217,7 +176,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
 
     def stop(self) -> None:
         self.loop.stop()
-        self._lease_ends.shutdown(wait=False)
+        self.destinations.close()
 
     def _collect(self) -> list[PrefillJob]:
         try:
@@ -309,22 +268,10 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         metrics.REQUESTS.labels("prefill", "aborted").inc()
 
     def _end_writes(self, job: PrefillJob, state: str) -> None:
-        """End ``job``'s lease (``success`` or ``failed``) once no write of ours into its destination pool can
-        still land: on a GPU the copies are queued on the stream, so the Redis thread waits for them first."""
-        if job.dest_pool is None or job.writes_ended or self.registry is None:
-            return
-        job.writes_ended = True
-        written = None
-        if self.engine.runner.device.type == "cuda":
-            written = torch.cuda.Event()
-            written.record()
-
-        def end() -> None:
-            if written is not None:
-                written.synchronize()
-            self.registry.end_lease(job.request_id, self.worker_id, state)
-
-        self._lease_ends.submit(end)
+        """Once, when no write of ours into ``job``'s destination pool can come any more: end its lease."""
+        if job.dest_pool is not None and not job.writes_ended:
+            job.writes_ended = True
+            self.destinations.end_lease(job.request_id, state)
 
     def _drop(self, rid: str) -> None:
         self.engine.abort(rid)
