@@ -34,92 +34,14 @@ from pathlib import Path
 
 from decode_service.prefill_client import REFRESH_S
 from engine.bundled import resolve_model
-from kvserve.processes import die_with_parent
+from kvserve.processes import Child, RedisChild
 from kvserve.redis_server import EmbeddedRedis, remove_stale_dirs
-from kvserve.supervisor import describe_exit
 from kvstore.registry import Registry
 from kvstore.transfer import SHM_DIR_ENV, SHM_ROOT, remove_stale_pools
 from rpc.auth import TOKEN_ENV, TOKEN_FILE_ENV, Security
 from rpc.flags import host_cores
-from rpc.server import wait_healthy
-
-HEALTH_PROBE_S = 0.1
-_STDERR_FD = 2  # the launcher's own stderr, even where ``sys.stderr`` is replaced (pytest)
 
 log = logging.getLogger(__name__)
-
-
-class Child:
-    """One gRPC process of the cluster, a worker or the router. ``start`` runs it again with the same command
-    line (and so the same port and worker id); ``proc`` is always the latest process started."""
-
-    def __init__(self, name: str, role: str, address: str, argv: list[str], env: dict[str, str],
-                 security: Security, log_path: Path | None, metrics_url: str = "-") -> None:  # fmt: skip
-        self.name, self.role, self.address, self.metrics_url = name, role, address, metrics_url
-        self._argv, self._env, self._security, self._log_path = argv, env, security, log_path
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def start(self) -> None:
-        """Start the process; its output goes to its log file, else to the launcher's stderr."""
-        out = open(self._log_path, "a") if self._log_path else _STDERR_FD
-        try:
-            self.proc = subprocess.Popen(self._argv, env=self._env, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
-                                         process_group=0)  # fmt: skip
-        finally:
-            if self._log_path:
-                out.close()
-
-    def exit_status(self) -> str | None:
-        code = self.proc.poll() if self.proc is not None else None
-        return None if code is None else describe_exit(code)
-
-    def answers(self, timeout_s: float = HEALTH_PROBE_S) -> bool:
-        return wait_healthy(self.address, timeout_s, self._security)
-
-    def terminate(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-
-    def line(self) -> str:
-        """``<name> <role> grpc=HOST:PORT metrics=URL`` (``-``: none)."""
-        return f"{self.name} {self.role} grpc={self.address} metrics={self.metrics_url}"
-
-
-class RedisChild:
-    """The embedded Redis as a supervised process: restarted on the same port, so clients reconnect."""
-
-    name = role = "redis"
-
-    def __init__(self, redis: EmbeddedRedis) -> None:
-        self.redis = redis
-
-    @property
-    def pid(self) -> int | None:
-        return self.redis.pid
-
-    def start(self) -> None:
-        try:
-            self.redis.restart()
-        except RuntimeError as err:  # seen as a death on the next check, so it counts as a failed start
-            log.warning("redis-server did not restart: %s", err)
-
-    def exit_status(self) -> str | None:
-        return None if self.redis.alive else "died"
-
-    def answers(self) -> bool:
-        return self.redis.alive
-
-    def kill(self) -> None:
-        self.redis.stop()
 
 
 @dataclass

@@ -53,7 +53,7 @@ class RestartPolicy:
 
 
 class Supervised(Protocol):
-    """What the supervisor needs of a process: see ``cluster.Child`` and ``cluster.RedisChild``."""
+    """What the supervisor needs of a process: see ``processes.Child`` and ``processes.RedisChild``."""
 
     name: str
     role: str

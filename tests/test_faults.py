@@ -19,7 +19,8 @@ import redis
 from cluster_utils import ENGINE_ARGV, Load, cluster, free_base_port, supervised
 
 from kvserve.client import Client
-from kvserve.cluster import Child, Cluster, cluster_shm_dir
+from kvserve.cluster import Cluster, cluster_shm_dir
+from kvserve.processes import Child
 from kvserve.supervisor import ClusterFailed, RestartPolicy, State, Supervisor
 from kvstore.registry import Registry
 from kvstore.transfer import pool_file_name
