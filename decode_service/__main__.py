@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from engine import LLMEngine
-from rpc.flags import add_worker_args, engine_config_from_args
+from rpc.flags import add_worker_args, boolean_flag, engine_config_from_args
 from rpc.loop import AsyncioThread
 from rpc.process import prepare_worker, serve
 
@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-ms-per-token", type=float, default=20.0, help="added to it per prompt token")
     parser.add_argument("--transfer-backend", choices=["shm", "grpc"], default=None, help="force one backend")
     parser.add_argument("--no-shm", action="store_true", help="keep the KV pool in private memory")
+    parser.add_argument("--prefill-reads-cached-prefix", type=boolean_flag, default=True,
+                        help="true|false: a prefill worker that maps our pool (shm, cuda_ipc) reads our cached "
+                        "prefix blocks in place instead of recomputing that prefix")  # fmt: skip
     args = parser.parse_args(argv)
     worker_id, security, registry = prepare_worker(args, "decode")
     engine = LLMEngine(engine_config_from_args(args).model_copy(
@@ -30,7 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     worker = DecodeWorker(engine, worker_id, args.advertise or f"{args.host}:{args.port}", aio, security, registry,
                           shm_path=str(engine.runner.kv_pool_path or ""), max_waiting=args.max_waiting,
                           prefill_timeout_s=args.prefill_timeout_s, prefill_ms_per_token=args.prefill_ms_per_token,
-                          force_backend=args.transfer_backend)  # fmt: skip
+                          force_backend=args.transfer_backend,
+                          prefill_reads_cached_prefix=args.prefill_reads_cached_prefix)  # fmt: skip
     logging.info("decode worker %s serving on %s (KV pool: %s)", worker_id, worker.address,
                  engine.runner.kv_pool_path or "private")  # fmt: skip
     serve(worker, {"Decode": worker, "KVTransfer": worker.receiver}, aio, security, args, registry, [engine.close])

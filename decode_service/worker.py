@@ -54,13 +54,14 @@ class DecodeWorker(pb_grpc.DecodeServicer):
     def __init__(self, engine: LLMEngine, worker_id: str, address: str, aio: AsyncioThread, security: Security,
                  registry: Registry | None = None, shm_path: str = "", max_waiting: int = 64,
                  prefill_timeout_s: float = 30.0, prefill_ms_per_token: float = 20.0,
-                 force_backend: str | None = None) -> None:  # fmt: skip
+                 force_backend: str | None = None, prefill_reads_cached_prefix: bool = True) -> None:  # fmt: skip
         self.engine = engine
         self.worker_id = worker_id
         self.address = address
         self.security = security
         self.shm_path = shm_path
         self.force_backend = force_backend
+        self.prefill_reads_cached_prefix = prefill_reads_cached_prefix  # see _submit_prefill
         self.host_id = local_host_id()
         self.cuda_ipc_handle = export_cuda_ipc(engine.runner.kv_cache) if engine.runner.device.type == "cuda" else b""
         self.fingerprint = fingerprint(engine.model_config.architecture, engine.runner.kv_spec)
@@ -221,11 +222,14 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         timeout = self.prefills.timeout_for(len(req.prompt))
         req.move(S.PREFILLING)
         req.backend, req.lease_deadline = backend, time.monotonic() + timeout
-        req.leased = req.block_ids[req.num_cached_tokens // self.engine.config.block_size :]  # what P writes
+        held = req.block_ids[: req.num_cached_tokens // self.engine.config.block_size]  # our cached prefix
+        req.leased = req.block_ids[len(held) :]  # what P writes
+        # P maps our pool: it may read ``held`` in place instead of computing it (our reservation keeps it)
+        offered = held if self.prefill_reads_cached_prefix and backend in ("shm", "cuda_ipc") else []
         dest = pb.KVDestination(worker_id=self.worker_id, backend=backend, address=self.address,
                                 fingerprint=self.fingerprint, block_ids=req.leased, shm_path=self.shm_path,
-                                num_blocks=self.engine.runner.num_blocks,
-                                cuda_ipc_handle=self.cuda_ipc_handle)  # fmt: skip
+                                num_blocks=self.engine.runner.num_blocks, cuda_ipc_handle=self.cuda_ipc_handle,
+                                cached_block_ids=offered)  # fmt: skip
         self.prefills.start(req, target, dest, timeout)
         req.future.add_done_callback(lambda _: self._inbox.put(("wake", req)))
 

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 
 from engine.bundled import resolve_model
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_destination import check_destination, exchange_prefix
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams, check_token_ids
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvstore import BlockManager
-from kvstore.kv_cache import copy_blocks
 from kvstore.transfer import fingerprint
 
 Prompt = str | list[int]
@@ -48,6 +48,7 @@ class RequestOutput:
     finish_reason: str | None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    num_dest_read_tokens: int = 0  # prompt tokens whose KV was read from the kv_destination (first admission)
     num_output_tokens: int = 0
     _seq: Sequence | None = field(default=None, repr=False, compare=False)
     _num_chars: int = 0
@@ -137,25 +138,23 @@ class LLMEngine:
         kv_destination: tuple[list, list[int]] | None = None,
         hold_blocks: bool = False,
         num_dest_cached_tokens: int = 0,
+        read_dest_prefix: bool = False,
     ) -> str:
         """Queue a request. ``hold_blocks`` keeps its blocks after it finishes until ``release``.
 
         ``kv_destination`` = (another pool's layers, that pool's whole block table for this prompt): positions
         ``num_dest_cached_tokens..`` of the prompt (that pool holds the rest; a multiple of the block size) end
         up there. Positions this engine computes are stored there as they are computed; those it found in its
-        own prefix cache are copied block by block from its pool when the request is admitted.
+        own prefix cache are copied block by block from its pool when the request is admitted. With
+        ``read_dest_prefix`` the table's first entries are the blocks holding that pool's prefix, which this
+        engine copies in (read only) instead of computing it (``engine.kv_destination``).
         """
         seq = self._new_sequence(prompt, params, request_id)
-        bs = self.config.block_size
-        if num_dest_cached_tokens and (
-            kv_destination is None or num_dest_cached_tokens % bs or not 0 < num_dest_cached_tokens < seq.num_tokens
-        ):
-            raise ValueError(
-                f"num_dest_cached_tokens={num_dest_cached_tokens} needs a kv_destination and must be a multiple "
-                f"of the block size ({bs}) below the prompt's {seq.num_tokens} tokens"
-            )
+        check_destination(kv_destination, num_dest_cached_tokens, read_dest_prefix, seq.num_tokens,
+                          self.config.block_size)  # fmt: skip
         seq.kv_destination = kv_destination
         seq.num_dest_cached_tokens = num_dest_cached_tokens
+        seq.read_dest_prefix = read_dest_prefix
         seq.hold_blocks = hold_blocks
         self._sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
@@ -246,7 +245,8 @@ class LLMEngine:
         try:
             for seq in batch.admitted:
                 if seq.kv_destination is not None:
-                    self._copy_cached_to_destination(seq)
+                    own_cached = self.block_manager.num_cached_tokens(seq.seq_id)
+                    exchange_prefix(seq, self.runner.kv_cache.layers, own_cached, self.config.block_size)
             tokens = self.runner.execute(batch)
         except Exception as err:
             raise StepError([seq.seq_id for seq in batch.seqs], err) from err
@@ -257,15 +257,6 @@ class LLMEngine:
             if token is not None:
                 outputs.append(self._append_token(seq, token))
         return outputs
-
-    def _copy_cached_to_destination(self, seq: Sequence) -> None:
-        """Copy the blocks of positions ``num_dest_cached_tokens..num_computed_tokens`` (the prefix this engine
-        had cached and will not compute, so not mirror) from this pool into ``kv_destination``."""
-        layers, dst_blocks = seq.kv_destination
-        bs = self.config.block_size
-        first, end = seq.num_dest_cached_tokens // bs, seq.num_computed_tokens // bs
-        if end > first:
-            copy_blocks(self.runner.kv_cache.layers, seq.block_table[first:end].tolist(), layers, dst_blocks[first:end])
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         seq.token_ids.append(token)
@@ -309,6 +300,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_preemptions=seq.num_preemptions,
             num_cached_tokens=seq.num_cached_tokens,
+            num_dest_read_tokens=seq.num_dest_read_tokens,
             num_output_tokens=seq.num_output_tokens,
             _seq=seq,
             _num_chars=detok.num_chars,

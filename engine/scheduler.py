@@ -10,7 +10,9 @@ in arrival order while budget, sequence slots and blocks last, and not at all
 in a step that had to preempt. An admitted sequence first takes the longest
 cached prefix the block manager has for its tokens (prefix caching): those
 tokens count as computed and cost no budget, and the chunked-prefill path
-computes the rest over them.
+computes the rest over them. A sequence prefilled for another worker whose
+destination lets it read a longer prefix counts that one as computed instead
+(the engine copies it in before the step runs).
 """
 
 from __future__ import annotations
@@ -80,13 +82,17 @@ class Scheduler:
             seq = self.waiting[0]
             cached = self.block_manager.match_prefix(seq.token_ids)
             num_cached = len(cached) * self.block_manager.block_size
-            n = min(seq.num_tokens - num_cached, budget)
-            if not self._allocate(seq, num_cached + n, cached):
+            # a prefix the destination holds and lets us read is copied in by the engine (fresh blocks past
+            # our cached ones), so it costs no budget either
+            num_start = max(num_cached, seq.num_dest_readable_tokens)
+            n = min(seq.num_tokens - num_start, budget)
+            if not self._allocate(seq, num_start + n, cached):
                 break
             self.waiting.popleft()
-            seq.num_computed_tokens = num_cached
+            seq.num_computed_tokens = num_start
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
+                seq.num_dest_read_tokens = num_start - num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)

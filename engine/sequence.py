@@ -23,10 +23,12 @@ class Sequence:
 
     Invariant: ``num_computed_tokens <= num_tokens``; a running sequence holds
     blocks for at least its first ``num_computed_tokens`` tokens. Admission
-    starts ``num_computed_tokens`` at the length of the cached prefix it found
-    (a multiple of the block size, less than ``num_tokens``). Preemption resets
-    it to 0 and keeps the tokens, so the sequence is recomputed (from whatever
-    is still cached) from its prompt and the output it already has.
+    starts ``num_computed_tokens`` at the longer of the cached prefix it found
+    and ``num_dest_readable_tokens`` (a multiple of the block size, less than
+    ``num_tokens``); the engine fills those blocks before the step runs.
+    Preemption resets it to 0 and keeps the tokens, so the sequence is
+    recomputed (from whatever is still cached or readable) from its prompt and
+    the output it already has.
     """
 
     seq_id: str
@@ -45,9 +47,14 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
     # Prefill for another worker: positions from ``num_dest_cached_tokens`` on (that worker already holds the
     # rest) must end up in ``kv_destination`` = (that worker's pool layers, its whole block table for this
-    # sequence); ``hold_blocks`` keeps our own blocks after finishing until the caller releases them.
+    # sequence); ``hold_blocks`` keeps our own blocks after finishing until the caller releases them. With
+    # ``read_dest_prefix`` the table's first ``num_dest_cached_tokens // block_size`` entries are real blocks
+    # holding that prefix's KV, which admission copies into our own blocks instead of computing it
+    # (``engine.kv_destination``); ``num_dest_read_tokens`` counts them at the first admission.
     kv_destination: tuple[list, list[int]] | None = None
     num_dest_cached_tokens: int = 0
+    read_dest_prefix: bool = False
+    num_dest_read_tokens: int = 0
     hold_blocks: bool = False
 
     def __post_init__(self) -> None:
@@ -57,6 +64,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_dest_readable_tokens(self) -> int:
+        """Leading tokens admission may count as computed because the destination's KV of them can be read."""
+        return self.num_dest_cached_tokens if self.read_dest_prefix else 0
 
     @property
     def num_prompt_tokens(self) -> int:

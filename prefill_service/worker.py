@@ -12,6 +12,8 @@
    engine's token budget. With ``shm`` every layer stores each new token's K/V
    straight into the destination slots as it is computed; with ``grpc`` the
    finished blocks are read out of our own pool before they are released.
+   When the lease offers the destination's cached prefix blocks (``shm``,
+   ``cuda_ipc``), the engine copies them in instead of computing that prefix.
 3. Back on the event loop: ``grpc`` streams the bytes to the decode worker's
    ``PushKV`` in checksummed chunks; the answer carries the first token and
    the checksum of the destination blocks.
@@ -117,6 +119,10 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"num_cached_tokens={held} must be whole blocks of {block_size} tokens, "
                                 f"fewer than the prompt's {len(prompt)}")  # fmt: skip
+        if dest.cached_block_ids and (len(dest.cached_block_ids) != held // block_size or dest.backend == "grpc"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{len(dest.cached_block_ids)} cached block ids must name the {held // block_size} "
+                                f"blocks of the {held} cached tokens, in a pool this worker maps")  # fmt: skip
         num_blocks = self.engine.block_manager.num_blocks_for(len(prompt)) - held // block_size  # to write
         if len(dest.block_ids) < num_blocks:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -226,14 +232,16 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                 continue
             rid = f"prefill-{job.request_id}-{id(job)}"
             params = dataclasses.replace(job.params, max_tokens=1, stop=[], ignore_eos=True)
-            skip = job.dest_cached_tokens // bs
-            dest = None
-            if job.dest_pool is not None:  # the table from position 0; the blocks before ``skip`` are never
-                leased = list(job.destination.block_ids)  # written, so they name a leased block as a placeholder
-                dest = (job.dest_pool.layers, leased[:1] * skip + leased)
+            # The table from position 0: its first ``skip`` blocks hold what the destination has and are never
+            # written; we read them when the lease offers them, else a leased block stands in as a placeholder.
+            skip, cached, dest = job.dest_cached_tokens // bs, list(job.destination.cached_block_ids), None
+            if job.dest_pool is not None:
+                leased = list(job.destination.block_ids)
+                dest = (job.dest_pool.layers, (cached or leased[:1] * skip) + leased)
             try:
                 engine.add_request(job.prompt, params, rid, kv_destination=dest, hold_blocks=True,
-                                   num_dest_cached_tokens=job.dest_cached_tokens if dest else 0)  # fmt: skip
+                                   num_dest_cached_tokens=job.dest_cached_tokens if dest else 0,
+                                   read_dest_prefix=bool(cached and dest))  # fmt: skip
                 pending[rid] = job
             except Exception as err:  # noqa: BLE001 - this job only
                 _settle(job, error=err)
@@ -254,8 +262,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                         data = [read_blocks(engine.runner.kv_cache, part) for part in chunked(table)]
                     engine.release(out.request_id)
                     self._end_writes(job, "success")
-                    metrics.PREFIX_QUERIES.labels("prefill").inc(len(job.prompt))
-                    metrics.PREFIX_HITS.labels("prefill").inc(out.num_cached_tokens)
+                    metrics.count_prefill_tokens(len(job.prompt), out.num_cached_tokens, out.num_dest_read_tokens)
                     _settle(job, PrefillResult(out.token_ids[0], data, (time.perf_counter() - start) * 1e3,
                                                out.num_cached_tokens))  # fmt: skip
         finally:

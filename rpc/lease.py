@@ -1,9 +1,10 @@
 """The lease a decode worker hands a prefill worker with a ``Prefill`` call, and its check on the other side.
 
 The decode worker grants one prefill worker the right to write one request's prompt KV into some of its
-blocks until a deadline, and signs that grant with the cluster token (``Security.sign``). The prefill
-worker writes only under a grant that verifies, names it, has not expired and stays inside the pool; it
-maps only pool files in its own cluster's directory. Nothing here needs Redis: the hand-off stays off it.
+blocks (and to read the blocks that already hold the prompt's cached prefix) until a deadline, and signs
+that grant with the cluster token (``Security.sign``). The prefill worker reads or writes only under a grant
+that verifies, names it, has not expired and stays inside the pool; it maps only pool files in its own
+cluster's directory. Nothing here needs Redis: the hand-off stays off it.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from rpc.auth import Security
 
 def _parts(request_id: str, dest: pb.KVDestination) -> tuple[object, ...]:
     return ("lease", request_id, dest.worker_id, dest.prefill_worker_id, dest.backend, dest.address,
-            ",".join(map(str, dest.block_ids)), dest.shm_path, dest.num_blocks, dest.lease_expires_unix_ms)  # fmt: skip
+            ",".join(map(str, dest.block_ids)), dest.shm_path, dest.num_blocks, dest.lease_expires_unix_ms,
+            ",".join(map(str, dest.cached_block_ids)))  # fmt: skip
 
 
 def grant(security: Security, request_id: str, dest: pb.KVDestination, prefill_worker_id: str, ttl_s: float) -> None:
-    """Fill in ``dest``'s lease fields: ``prefill_worker_id`` may write ``dest.block_ids`` for ``ttl_s``."""
+    """Fill in ``dest``'s lease fields: ``prefill_worker_id`` may write ``dest.block_ids`` (and read
+    ``dest.cached_block_ids``) for ``ttl_s``."""
     dest.prefill_worker_id = prefill_worker_id
     dest.lease_expires_unix_ms = int((time.time() + ttl_s) * 1000)
     dest.lease_signature = security.sign(*_parts(request_id, dest))
@@ -37,7 +40,7 @@ def refusal(security: Security, request_id: str, dest: pb.KVDestination, worker_
         return f"the lease is for prefill worker {dest.prefill_worker_id!r}, not {worker_id!r}"
     if dest.lease_expires_unix_ms < time.time() * 1000:
         return "the lease has expired"
-    bad = [b for b in dest.block_ids if not 0 <= b < dest.num_blocks]
+    bad = [b for b in [*dest.block_ids, *dest.cached_block_ids] if not 0 <= b < dest.num_blocks]
     if bad:
         return f"block ids {bad[:4]} are outside the destination pool of {dest.num_blocks} blocks"
     if dest.backend == "shm":

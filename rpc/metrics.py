@@ -25,6 +25,9 @@ REQUESTS = Counter("kvserve_requests", "Requests that ended on this worker, by o
 PREFIX_QUERIES = Counter("kvserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
                          ["role"])  # fmt: skip
 PREFIX_HITS = Counter("kvserve_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache", ["role"])
+PREFILL_TOKENS = Counter("kvserve_prefill_prompt_tokens", "Prompt tokens of finished prefills, by where their KV "
+                         "came from: computed, own_cache (this worker's prefix cache) or destination (read in "
+                         "place from the decode worker's cached prefix)", ["source"])  # fmt: skip
 PREFILL_BATCH = Histogram("kvserve_prefill_batch_requests", "Requests per prefill batch",
                           buckets=(1, 2, 4, 8, 16, 32, 64))  # fmt: skip
 TTFT = Histogram("kvserve_time_to_first_token_seconds", "Request received to first token", buckets=_LATENCY_BUCKETS)
@@ -66,6 +69,16 @@ class _PreemptionCount(Collector):
                                      "KV blocks", labels=["role"])  # fmt: skip
         family.add_metric([self.role], self.count())
         yield family
+
+
+def count_prefill_tokens(num_prompt: int, num_own_cached: int, num_dest_read: int) -> None:
+    """Count a finished prefill's prompt tokens: prefix-cache queries and hits, and where each token's KV came
+    from (as of its first admission: a preempted prefill computes more than it reports)."""
+    PREFIX_QUERIES.labels("prefill").inc(num_prompt)
+    PREFIX_HITS.labels("prefill").inc(num_own_cached)
+    for source, n in [("computed", num_prompt - num_own_cached - num_dest_read), ("own_cache", num_own_cached),
+                      ("destination", num_dest_read)]:  # fmt: skip
+        PREFILL_TOKENS.labels(source).inc(n)
 
 
 def start_metrics_server(host: str, port: int) -> int:

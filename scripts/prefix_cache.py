@@ -3,11 +3,17 @@
     python scripts/prefix_cache.py ttft       # 2,000-token prompts whose first 1,800 tokens are cached vs cold
     python scripts/prefix_cache.py workload   # 4 system prompts of ~1,000 tokens x 8 questions, 2P+2D,
                                               # prefix caching on against off, both clusters up at once
+    python scripts/prefix_cache.py inplace    # the prefill worker reads the decode worker's cached prefix
+                                              # in place, against recomputing it; both clusters up at once
 
 ttft:     1P+1D; each round a new 1,800-token prefix: its first request is cold, a second with the same prefix
           and another 200-token tail is warm. Reports both TTFTs, their ratio and the cached token counts.
 workload: the shared-system-prompt workload, alternating halves between the two clusters: prompt tokens
           computed, hit rate, TTFT p50/p99, throughput and how many requests each decode worker served.
+inplace:  two 1P+1D clusters over shm whose prefill workers cache nothing; the decode workers differ only in
+          --prefill-reads-cached-prefix (true: read in place, false: recompute). Each round a new 1,800-token
+          prefix goes to both (the decode workers cache it), then a 2,000-token prompt sharing it, in
+          alternating order. Reports both TTFTs, their ratio and the prefill workers' token counts by source.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,17 +36,19 @@ from kvserve.bench.datasets import shared_prefix_requests  # noqa: E402
 from kvserve.bench.loadgen import LoadResult, run_load  # noqa: E402
 from kvserve.client import Client  # noqa: E402
 from kvserve.cluster import Cluster, free_base_port, start_cluster  # noqa: E402
+from kvserve.processes import Child  # noqa: E402
 
 VOCAB = 49152
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-def up(log_dir: str, num_prefill: int, num_decode: int, caching: bool) -> Cluster:
+def up(log_dir: str, num_prefill: int, num_decode: int, caching: bool, decode_argv: list[str] | None = None,
+       prefill_argv: list[str] | None = None) -> Cluster:  # fmt: skip
     os.makedirs(log_dir, exist_ok=True)
     engine = ["--model", "default", "--num-blocks", "1024", "--block-size", "16", "--enable-prefix-caching",
               str(caching).lower()]  # fmt: skip
     return start_cluster(num_prefill=num_prefill, num_decode=num_decode, port=free_base_port(), engine_argv=engine,
-                         log_dir=log_dir)  # fmt: skip
+                         decode_argv=decode_argv, prefill_argv=prefill_argv, log_dir=log_dir)  # fmt: skip
 
 
 def ttft(log_dir: str, rounds: int) -> None:
@@ -63,14 +72,51 @@ def ttft(log_dir: str, rounds: int) -> None:
           f"warm/cold {statistics.median(warm) / statistics.median(cold):.2f} (target <= 0.25)")
 
 
+def metric_sum(children: list[Child], line_prefix: str) -> float:
+    """The sum over ``children``'s ``/metrics`` of the samples whose line starts with ``line_prefix``."""
+    total = 0.0
+    for child in children:
+        text = urllib.request.urlopen(child.metrics_url, timeout=10).read().decode()
+        total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_prefix))
+    return total
+
+
 def served_per_decode_worker(cluster: Cluster) -> dict[str, float]:
-    counts = {}
-    for child in cluster.children:
-        if child.role == "decode":
-            text = urllib.request.urlopen(child.metrics_url, timeout=10).read().decode()
-            counts[child.name] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                                     if line.startswith('kvserve_requests_total{outcome="finished"'))  # fmt: skip
-    return counts
+    return {child.name: metric_sum([child], 'kvserve_requests_total{outcome="finished"')
+            for child in cluster.children if child.role == "decode"}  # fmt: skip
+
+
+def inplace(log_dir: str, rounds: int) -> None:
+    sides = {"read": "true", "recompute": "false"}  # name -> the decode worker's --prefill-reads-cached-prefix
+    rng = random.Random(0)
+    ttfts: dict[str, list[float]] = {name: [] for name in sides}
+    with ExitStack() as stack:  # clients close first, then the clusters stop, also when one fails to start
+        clusters: dict[str, Cluster] = {}
+        for name, flag in sides.items():
+            clusters[name] = up(os.path.join(log_dir, name), 1, 1, True, ["--prefill-reads-cached-prefix", flag],
+                                ["--enable-prefix-caching", "false"])  # fmt: skip
+            stack.callback(clusters[name].stop)
+        clients = {name: stack.enter_context(Client(c.endpoint, timeout_s=300)) for name, c in clusters.items()}
+        for i in range(rounds):
+            prefix = [rng.randrange(100, VOCAB) for _ in range(1800)]
+            warm, prompt = ([*prefix, *(rng.randrange(100, VOCAB) for _ in range(200))] for _ in range(2))
+            cached = {}
+            for name in list(sides) if i % 2 == 0 else list(reversed(sides)):  # alternate: drift hits both alike
+                clients[name].generate(warm, max_tokens=1, **GREEDY)  # the decode worker now caches the prefix
+                result = clients[name].generate(prompt, max_tokens=1, **GREEDY)
+                ttfts[name].append(result.timings["ttft_ms"])
+                cached[name] = result.usage["cached_prompt_tokens"]
+            r, c = ttfts["read"][-1], ttfts["recompute"][-1]
+            print(f"round {i}: read in place {r:.0f} ms, recompute {c:.0f} ms (decode worker cached {cached}), "
+                  f"ratio {r / c:.2f}")
+        for name, cluster in clusters.items():
+            prefills = [child for child in cluster.children if child.role == "prefill"]
+            by_source = {source: metric_sum(prefills, f'kvserve_prefill_prompt_tokens_total{{source="{source}"')
+                         for source in ("computed", "own_cache", "destination")}  # fmt: skip
+            print(f"{name}: the prefill worker's prompt tokens by source {by_source}")
+    r, c = statistics.median(ttfts["read"]), statistics.median(ttfts["recompute"])
+    print(f"median TTFT of a 2,000-token prompt whose first 1,792 tokens the decode worker holds: read in place "
+          f"{r:.0f} ms, recompute {c:.0f} ms, read/recompute {r / c:.2f}")
 
 
 def workload(log_dir: str, concurrency: int) -> None:
@@ -98,13 +144,15 @@ def workload(log_dir: str, concurrency: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["ttft", "workload"])
+    parser.add_argument("what", choices=["ttft", "workload", "inplace"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=8)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvserve-prefix-") as log_dir:
         if args.what == "ttft":
             ttft(log_dir, args.rounds)
+        elif args.what == "inplace":
+            inplace(log_dir, args.rounds)
         else:
             workload(log_dir, args.concurrency)
 

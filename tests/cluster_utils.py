@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from kvserve.client import Client
 from kvserve.cluster import Cluster, free_base_port, start_cluster
@@ -31,6 +33,22 @@ def cluster(num_prefill: int, num_decode: int, log_dir, decode_argv=None, prefil
         prefill_argv=prefill_argv,
         log_dir=str(log_dir),
     )
+
+
+def hf_reference(hf_model, prompt: list[int], max_new_tokens: int = 8) -> list[int]:
+    """Hugging Face's greedy continuation of ``prompt``: what every cluster's answer must equal."""
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                pad_token_id=0)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def prometheus_values(metrics_url: str, name: str) -> dict[str, float]:
+    """The samples of metric ``name`` a worker's ``/metrics`` serves now, by their label string."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    prefix = name + "{"
+    return {line[len(prefix) : line.index("}")]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(prefix)}  # fmt: skip
 
 
 class _Records(logging.Handler):

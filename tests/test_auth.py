@@ -69,17 +69,19 @@ def _destination(decode: DecodeWorker, blocks: list[int], **fields) -> pb.KVDest
     dest = pb.KVDestination(worker_id=decode.worker_id, backend="shm", fingerprint=decode.fingerprint,
                             block_ids=blocks, shm_path=decode.shm_path, num_blocks=NUM_BLOCKS)  # fmt: skip
     for name, value in fields.items():
-        if name == "block_ids":
-            dest.ClearField("block_ids")
-            dest.block_ids.extend(value)
+        if name in ("block_ids", "cached_block_ids"):
+            dest.ClearField(name)
+            getattr(dest, name).extend(value)
         else:
             setattr(dest, name, value)
     return dest
 
 
-def _prefill(prefill: PrefillWorker, request_id: str, dest: pb.KVDestination, metadata) -> grpc.RpcError | None:
+def _prefill(prefill: PrefillWorker, request_id: str, dest: pb.KVDestination, metadata,
+             num_cached_tokens: int = 0) -> grpc.RpcError | None:  # fmt: skip
     request = pb.PrefillRequest(request_id=request_id, prompt_token_ids=list(range(100, 164)),
-                                sampling=pb.SamplingOptions(temperature=0), destination=dest)  # fmt: skip
+                                sampling=pb.SamplingOptions(temperature=0), destination=dest,
+                                num_cached_tokens=num_cached_tokens)  # fmt: skip
     with grpc.insecure_channel(prefill.address) as channel:
         try:
             pb_grpc.PrefillStub(channel).Prefill(request, timeout=30, metadata=metadata)
@@ -102,6 +104,7 @@ def _hostile_prefills(decode: DecodeWorker, prefill: PrefillWorker, tmp_path) ->
         ("signed with another token", 30, "prefill-a", Security(token="not-the-cluster-token"), {}),
         ("foreign pool file", 30, "prefill-a", TEST_SECURITY, {"shm_path": str(foreign)}),
         ("blocks outside the pool", 30, "prefill-a", TEST_SECURITY, {"block_ids": [10**6, 1, 2, 3]}),
+        ("cached blocks outside the pool", 30, "prefill-a", TEST_SECURITY, {"cached_block_ids": [-1]}),
     ]:
         dest = _destination(decode, blocks, **fields)
         lease.grant(signer, "steal", dest, holder, ttl)
@@ -110,6 +113,10 @@ def _hostile_prefills(decode: DecodeWorker, prefill: PrefillWorker, tmp_path) ->
     lease.grant(TEST_SECURITY, "steal", tampered, "prefill-a", 30)
     tampered.block_ids[0] = 0  # a valid grant for other blocks, edited after signing
     cases["edited after signing"] = tampered
+    reader = _destination(decode, blocks)
+    lease.grant(TEST_SECURITY, "steal", reader, "prefill-a", 30)
+    reader.cached_block_ids.append(0)  # a grant to write some blocks, edited into one to read another's too
+    cases["cached blocks added after signing"] = reader
     return [(name, _prefill(prefill, "steal", dest, member)) for name, dest in cases.items()]
 
 
@@ -177,6 +184,17 @@ def test_kv_writes_need_a_lease_and_a_concurrent_request_stays_exact(cluster, en
     assert checksum_blocks(victim_view, targets) == before  # not one byte written where the intruders aimed
     assert prefill.batch_sizes == [1]  # only the victim's prefill ever ran
     assert decode.engine.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+def test_cached_block_ids_must_name_exactly_the_cached_prefix_blocks(cluster):
+    decode, prefill = cluster
+    for cached, held, backend in [([1], 0, "shm"), ([1], 32, "shm"), ([1, 2], 16, "shm"), ([1], 16, "grpc")]:
+        dest = _destination(decode, [NUM_BLOCKS - 3, NUM_BLOCKS - 2, NUM_BLOCKS - 1], cached_block_ids=cached,
+                            backend=backend)  # fmt: skip
+        lease.grant(TEST_SECURITY, "misread", dest, "prefill-a", 30)
+        err = _prefill(prefill, "misread", dest, TEST_SECURITY.metadata("decode-a"), held)
+        assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, (cached, held, backend)
+        assert "cached block ids" in err.details()
 
 
 def _openssl(*args: str, cwd) -> None:

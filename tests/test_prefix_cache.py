@@ -189,12 +189,79 @@ def test_decode_continues_exactly_over_its_cached_prefix_and_a_partly_cached_pre
     assert _decode(decode, "r", prompt, first) == (hf_greedy[6], 64)
 
 
+def _cold_prefill(cold: LLM, prompt, *spans: slice) -> tuple[int, list[bytes]]:
+    """(first token, the KV bytes of each span of the prompt's blocks) of a prefill that computes everything."""
+    rid = cold.engine.add_request(prompt, greedy(1), hold_blocks=True)
+    first = _drain(cold.engine)[rid].token_ids[0]
+    table = cold.engine.block_manager.block_table(rid)
+    data = [read_blocks(cold.engine.runner.kv_cache, table[span]) for span in spans]
+    cold.engine.release(rid)
+    return first, data
+
+
+@pytest.mark.parametrize("own_cached", [0, 32, None], ids=["caching-off", "own-prefix-shorter", "caching-on"])
+def test_a_prefill_reads_the_destinations_cached_prefix_instead_of_computing_it(engine_prompts, hf_greedy, cold,
+                                                                                own_cached):  # fmt: skip
+    prompt = engine_prompts[6]  # 170 tokens: 10 full blocks and a partial one
+    decode = _llm().engine
+    _warm(decode, prompt[:128] + engine_prompts[0])  # the destination computed the prompt's first 8 blocks
+    table, num_cached = decode.reserve("r", prompt)
+    held = read_blocks(decode.runner.kv_cache, table[:8])
+    prefill = _llm(enable_prefix_caching=own_cached is not None).engine
+    if own_cached:
+        _warm(prefill, prompt[:own_cached] + engine_prompts[0])  # it holds the first 2 blocks itself
+    rid = prefill.add_request(prompt, greedy(1), kv_destination=(decode.runner.kv_cache.layers, table),
+                              hold_blocks=True, num_dest_cached_tokens=num_cached, read_dest_prefix=True)  # fmt: skip
+    out = _drain(prefill)[rid]
+    own = own_cached or 0
+    assert (num_cached, out.num_cached_tokens, out.num_dest_read_tokens) == (128, own, 128 - own)
+    own_blocks = prefill.block_manager.block_table(rid)
+    assert read_blocks(prefill.runner.kv_cache, own_blocks[:8]) == held  # imported into its own blocks
+    prefill.release(rid)
+    first, (prefix, tail) = _cold_prefill(cold, prompt, slice(0, 8), slice(8, 10))
+    assert out.token_ids[0] == first
+    assert prefix == held  # what it read is what recomputing gives, so the tail it wrote is too
+    assert read_blocks(decode.runner.kv_cache, table[8:10]) == tail
+    assert read_blocks(decode.runner.kv_cache, table[:8]) == held  # read, never written
+    assert _decode(decode, "r", prompt, out.token_ids[0]) == (hf_greedy[6], 128)
+    if own_cached is not None:  # its own prefix cache now serves the imported blocks
+        again = prefill.add_request(prompt[:128] + engine_prompts[1], greedy(4))
+        hit = _drain(prefill)[again]
+        assert hit.num_cached_tokens == 128 and hit.num_dest_read_tokens == 0
+        assert hit.token_ids == cold.generate([prompt[:128] + engine_prompts[1]], greedy(4))[0].token_ids
+
+
+def test_a_preempted_prefill_reads_the_destinations_prefix_again(engine_prompts, cold):
+    prompt = engine_prompts[6]
+    decode = _llm().engine
+    _warm(decode, prompt[:64] + engine_prompts[0])
+    table, num_cached = decode.reserve("r", prompt)
+    # 12 blocks, 32 tokens a step: the prefill (11 blocks) runs beside a decoding request until the pool is full,
+    # then it is preempted (the most recently admitted) and admitted again, reading the 4 blocks once more.
+    prefill = LLM("default", block_size=BLOCK_SIZE, num_blocks=12, max_num_batched_tokens=32,
+                  enable_prefix_caching=False).engine  # fmt: skip
+    neighbour = prefill.add_request(engine_prompts[1], greedy(40))
+    rid = prefill.add_request(prompt, greedy(1), kv_destination=(decode.runner.kv_cache.layers, table),
+                              hold_blocks=True, num_dest_cached_tokens=num_cached, read_dest_prefix=True)  # fmt: skip
+    outs = _drain(prefill)
+    prefill.release(rid)
+    assert outs[rid].num_preemptions >= 1 and outs[rid].num_dest_read_tokens == 64
+    first, (written,) = _cold_prefill(cold, prompt, slice(4, 10))
+    assert outs[rid].token_ids[0] == first
+    assert read_blocks(decode.runner.kv_cache, table[4:10]) == written
+    assert outs[neighbour].token_ids == cold.generate([engine_prompts[1]], greedy(40))[0].token_ids
+    decode.release("r")
+
+
 def test_num_dest_cached_tokens_is_validated(engine_prompts, cold):
     dest = (cold.engine.runner.kv_cache.layers, list(range(11)))
     for bad, destination in [(8, dest), (170, dest), (16, None)]:
         with pytest.raises(ValueError, match="num_dest_cached_tokens"):
             cold.engine.add_request(engine_prompts[6], SamplingParams(max_tokens=1), kv_destination=destination,
                                     num_dest_cached_tokens=bad)  # fmt: skip
+    with pytest.raises(ValueError, match="read_dest_prefix"):
+        cold.engine.add_request(engine_prompts[6], SamplingParams(max_tokens=1), kv_destination=dest,
+                                read_dest_prefix=True)  # fmt: skip
 
 
 def test_the_worker_flag_parses_true_or_false_and_round_trips():

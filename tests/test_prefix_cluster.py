@@ -10,8 +10,7 @@ import time
 
 import pytest
 import redis
-import torch
-from cluster_utils import cluster
+from cluster_utils import cluster, hf_reference
 
 from kvserve.client import Client
 from kvstore.prefix_hash import block_hashes
@@ -25,12 +24,6 @@ def one_by_two(tmp_path_factory):
     c = cluster(1, 2, tmp_path_factory.mktemp("logs-prefix"))
     yield c
     c.stop()
-
-
-def _reference(hf_model, prompt: list[int]) -> list[int]:
-    with torch.inference_mode():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt) :].tolist()
 
 
 def _wait(condition, timeout_s: float, what: str) -> None:
@@ -49,7 +42,7 @@ def test_a_shared_prefix_is_served_from_cache_where_it_lives(one_by_two, engine_
     try:
         with Client(c.endpoint, timeout_s=120) as client:
             cold = client.generate(first, **GREEDY)
-            assert cold.usage["cached_prompt_tokens"] == 0 and cold.token_ids == _reference(hf_model, first)
+            assert cold.usage["cached_prompt_tokens"] == 0 and cold.token_ids == hf_reference(hf_model, first)
             decode = [w for w in registry.workers("decode") if w.worker_id == cold.decode_worker][0]
             chain = block_hashes(first, decode.block_size, decode.fingerprint)
             # the index learns the blocks from the decode worker (and the prefill worker, which cached them too)
@@ -59,7 +52,7 @@ def test_a_shared_prefix_is_served_from_cache_where_it_lives(one_by_two, engine_
             warm = client.generate(second, **GREEDY)
         assert warm.decode_worker == cold.decode_worker  # routed to where its prefix lives
         assert warm.usage["cached_prompt_tokens"] == 160
-        assert warm.token_ids == _reference(hf_model, second)  # and exact
+        assert warm.token_ids == hf_reference(hf_model, second)  # and exact
         # the decode worker dies: within its heartbeat TTL its entries are gone from the index
         os.kill(c.child(decode.worker_id).pid, signal.SIGKILL)
         _wait(lambda: decode.worker_id not in {w.worker_id for w in registry.workers()}, registry.ttl_s + 5,
@@ -81,4 +74,4 @@ def test_routing_goes_on_while_redis_is_paused(one_by_two, engine_prompts, hf_mo
             result = client.generate(engine_prompts[5], **GREEDY)
     finally:
         os.kill(c.redis.pid, signal.SIGCONT)
-    assert result.token_ids == _reference(hf_model, engine_prompts[5])
+    assert result.token_ids == hf_reference(hf_model, engine_prompts[5])

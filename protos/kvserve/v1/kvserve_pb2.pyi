@@ -119,7 +119,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., preferred_prefill_worker: _Optional[str] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("worker_id", "backend", "address", "fingerprint", "block_ids", "shm_path", "cuda_ipc_handle", "num_blocks", "prefill_worker_id", "lease_expires_unix_ms", "lease_signature")
+    __slots__ = ("worker_id", "backend", "address", "fingerprint", "block_ids", "shm_path", "cuda_ipc_handle", "num_blocks", "prefill_worker_id", "lease_expires_unix_ms", "lease_signature", "cached_block_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class KVDestination(_message.Message):
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     backend: str
     address: str
@@ -142,7 +143,8 @@ class KVDestination(_message.Message):
     prefill_worker_id: str
     lease_expires_unix_ms: int
     lease_signature: str
-    def __init__(self, worker_id: _Optional[str] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., fingerprint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., lease_signature: _Optional[str] = ...) -> None: ...
+    cached_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., fingerprint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., lease_signature: _Optional[str] = ..., cached_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "num_cached_tokens", "destination")
