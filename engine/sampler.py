@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 import kernels
+from engine.input_batch import StagingBuffer
 from engine.sampling_params import SamplingParams
 
 _MOD64 = 1 << 64
@@ -105,6 +106,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self._seeds = random.Random(seed)
         self._seen = _SeenTokens(vocab_size, device)
+        self._staging = StagingBuffer(4096, device)  # the per-row settings' one copy per step (grows on demand)
 
     def stream_seed(self, seed: int | None) -> int:
         """The int64 stream seed of a new request: its own ``seed`` (modulo 2**64) or, without one, the next
@@ -132,7 +134,7 @@ class Sampler:
             filtered = any(k < self.vocab_size or p.top_p < 1.0 for k, p in zip(top_k, settings, strict=True))
             packed.add_ints(sampling, [s.sampling_seed for s in rows], [s.num_tokens for s in rows], top_k)
             packed.add_floats([p.temperature for p in settings], [p.top_p for p in settings])
-        on_device = iter(packed.to(logits.device))
+        on_device = iter(packed.send(self._staging))
 
         if penalized:
             rows_idx, slots_t, cleared_t, pair_slots_t, pair_tokens_t, penalties = itertools.islice(on_device, 6)
@@ -193,10 +195,11 @@ class _Packed:
             self._parts.append(np.asarray(values, dtype=np.float64).reshape(-1).view(np.int64))
             self._is_float.append(True)
 
-    def to(self, device: torch.device) -> list[torch.Tensor]:
-        host = torch.from_numpy(np.concatenate(self._parts))
-        if device.type == "cuda":
-            host = host.pin_memory()  # so the copy below is asynchronous
-        flat = host.to(device, non_blocking=True)
-        parts = flat.split([len(p) for p in self._parts])
+    def send(self, staging: StagingBuffer) -> list[torch.Tensor]:
+        """Copy the parts to the device through ``staging`` (pinned on CUDA: one asynchronous copy); the
+        device tensors stay valid until the next send through it, i.e. for this step."""
+        host, device, nbytes = staging.views([("packed", np.int64, (sum(len(p) for p in self._parts),))])
+        np.concatenate(self._parts, out=host["packed"])
+        staging.send(nbytes)
+        parts = device["packed"].split([len(p) for p in self._parts])
         return [p.view(torch.float64).float() if f else p for p, f in zip(parts, self._is_float, strict=True)]
