@@ -32,6 +32,11 @@ from rpc.loop import AsyncioThread
 
 log = logging.getLogger(__name__)
 REFRESH_S = 1.0
+# Blocks a prefill worker was granted are reused only once it has ended its lease, or this long after the
+# lease's expiry. The writer stops reading and writing before the expiry (less rpc.lease.WRITE_MARGIN_S),
+# checking before every layer's store, so what can land later is at most one layer's store under way then,
+# or (on a GPU) the steps still queued on its stream: far below this, whatever the step's length.
+LEASE_GRACE_S = 2.0
 # A refused call never reached the prefill worker's queue: it will never write, so its blocks are free at once.
 _REFUSED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
             grpc.StatusCode.UNAUTHENTICATED)  # fmt: skip
@@ -78,8 +83,10 @@ class PrefillClient:
         worker to drop the job."""
         req.prefill_worker, req.prefill_address = target.worker_id, target.address
         req.tried.append(target.worker_id)
-        lease.grant(self.security, req.request_id, dest, target.worker_id, timeout_s)
-        call = pb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
+        # the blocks offered for reading hold our prefix cache's KV of these tokens: the lease names them
+        lease.grant(self.security, req.request_id, dest, target.worker_id, timeout_s,
+                    req.tokens[: req.num_cached_tokens] if dest.cached_block_ids else ())  # fmt: skip
+        call = pb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.tokens,
                                  sampling=sampling_to_proto(req.params), destination=dest,
                                  num_cached_tokens=req.num_cached_tokens)  # fmt: skip
         req.prefill_sent_at = time.perf_counter()
@@ -87,10 +94,11 @@ class PrefillClient:
         self.publish_lease(req, timeout_s)
 
     def publish_lease(self, req: ActiveRequest, ttl_s: float) -> None:
-        """Write ``req``'s lease to ``kvserve:lease:{request_id}`` (it expires by itself after ``ttl_s``)."""
+        """Write ``req``'s lease to ``kvserve:lease:{request_id}``. It expires by itself after ``ttl_s`` and the
+        grace, so that the writer can still end it (and free the blocks early) while they are held back."""
         if self.registry is not None:
             self._publisher.submit(self.registry.put_lease, req.request_id, self.worker_id, req.prefill_worker,
-                                   list(req.leased), ttl_s)  # fmt: skip
+                                   list(req.leased), ttl_s + LEASE_GRACE_S)  # fmt: skip
 
     def end_lease(self, request_id: str, writer: str) -> None:
         """Delete ``request_id``'s lease from Redis if it still names ``writer`` (a retry may have replaced it)."""
@@ -163,7 +171,7 @@ def listener_gone(address: str) -> bool:
 
 @dataclass
 class _Held:
-    deadline: float  # when the lease runs out (monotonic)
+    deadline: float  # when the lease's grace runs out (monotonic)
     owner: str  # the blocks' owner name in the block manager meanwhile
     request_id: str
     writer: str  # the prefill worker the lease named
@@ -172,9 +180,10 @@ class _Held:
 
 class Quarantine:
     """Blocks that a failed or abandoned prefill may still write into (``shm``, ``cuda_ipc``), held under a new
-    owner name and never handed to another request until no write can land: the lease has run out, its
-    writer has ended it (in Redis, signed: it stopped writing, or it is a restarted worker whose predecessor
-    died), or nothing listens at the writer's address any more (it died and was not restarted). That is
+    owner name and never handed to another request until no write can land: its writer has ended the lease
+    (in Redis, signed: it stopped writing, or it is a restarted worker whose predecessor died), nothing
+    listens at the writer's address any more (it died and was not restarted), or ``LEASE_GRACE_S`` has passed
+    since the lease ran out (never at the expiry itself: a step under way then may still be storing). That is
     checked off the engine loop, at most every ``POLL_S``; failing all of it, the deadline decides."""
 
     POLL_S = 0.2
@@ -186,12 +195,13 @@ class Quarantine:
         self._poll: Future | None = None
         self._polled_at = 0.0
         self.num_held = 0  # reservations ever quarantined
-        self.num_freed_early = 0  # ... and freed before their lease ran out
+        self.num_freed_early = 0  # ... and freed before their lease and its grace ran out
 
-    def hold(self, request_id: str, writer: str, address: str, until: float) -> None:
+    def hold(self, request_id: str, writer: str, address: str, lease_deadline: float) -> None:
+        """Hold ``request_id``'s blocks, leased to ``writer`` until ``lease_deadline`` (monotonic)."""
         owner = f"{request_id}#stale-{time.monotonic_ns()}"
         self.block_manager.rename(request_id, owner)
-        self._held.append(_Held(until, owner, request_id, writer, address))
+        self._held.append(_Held(lease_deadline + LEASE_GRACE_S, owner, request_id, writer, address))
         self.num_held += 1
 
     def free_ended(self) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine import RequestOutput, SamplingParams
+from engine import Continuation, RequestOutput, SamplingParams
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from rpc import metrics
 
@@ -63,6 +63,7 @@ class ActiveRequest:
     params: SamplingParams
     event_loop: asyncio.AbstractEventLoop
     preferred_prefill: str = ""
+    continuation: Continuation | None = None  # output another decode worker streamed before it died or drained
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     received: float = field(default_factory=time.perf_counter)
     state: RequestState = RequestState.QUEUED
@@ -81,6 +82,11 @@ class ActiveRequest:
     prefill_sent_at: float = 0.0
     prefill_ms: float = 0.0
     transfer_ms: float = 0.0
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens whose KV must be in our blocks before decoding: the prompt, then any resumed output."""
+        return self.prompt + list(self.continuation.output_token_ids) if self.continuation else self.prompt
 
     def move(self, state: RequestState) -> None:
         """Take a non-terminal transition; terminal states are reached only through ``end``."""

@@ -35,7 +35,8 @@ import grpc
 from decode_service.kv_receiver import KVReceiver
 from decode_service.prefill_client import PrefillClient, Quarantine
 from decode_service.request import ActiveRequest, Admission, RequestState
-from engine import LLMEngine, RequestOutput
+from engine import Continuation, LLMEngine, RequestOutput
+from engine.continuation import check_continuation
 from engine.llm_engine import StepError
 from kvstore.registry import Registry
 from kvstore.transfer import choose_backend, export_cuda_ipc, fingerprint
@@ -113,6 +114,11 @@ class DecodeWorker(pb_grpc.DecodeServicer):
             validate_request_id(request.request_id)
             params = validate_sampling(request.sampling, self.engine.model_config.vocab_size)
             prompt = self.engine.validate(list(request.prompt_token_ids), params)
+            continuation = None
+            if request.resumed_output_token_ids:  # another decode worker's stream, moved here (router)
+                continuation = Continuation(tuple(request.resumed_output_token_ids), request.num_resumed_chars)
+                check_continuation(continuation, len(prompt), params, self.engine.model_config.vocab_size,
+                                   self.engine.max_model_len)  # fmt: skip
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         if not self.admission.enter():
@@ -120,7 +126,8 @@ class DecodeWorker(pb_grpc.DecodeServicer):
                                 f"decode worker {self.worker_id} has {self.admission.limit} requests waiting for KV "
                                 "blocks (its queue limit); retry later or add decode workers")  # fmt: skip
         req = ActiveRequest(f"{request.request_id[:64] or 'req'}-{uuid.uuid4().hex[:12]}", request.request_id,
-                            prompt, params, asyncio.get_running_loop(), request.preferred_prefill_worker)
+                            prompt, params, asyncio.get_running_loop(), request.preferred_prefill_worker,
+                            continuation)  # fmt: skip
         self._inbox.put(("add", req))
         ended = False
         try:
@@ -199,7 +206,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
     def _start_prefills(self) -> None:
         while self._queued:
             req = self._queued[0]
-            reserved = self.engine.reserve(req.request_id, req.prompt)  # our cached prefix, then new blocks
+            reserved = self.engine.reserve(req.request_id, req.tokens)  # our cached prefix, then new blocks
             if reserved is None and self.engine.has_unfinished_requests():
                 return  # wait for running sequences to finish and free blocks
             self._queued.popleft()
@@ -219,7 +226,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
             return
         device = str(self.engine.runner.device)
         backend = self.force_backend or choose_backend(target.host_id, self.host_id, device, bool(self.shm_path))
-        timeout = self.prefills.timeout_for(len(req.prompt))
+        timeout = self.prefills.timeout_for(len(req.tokens))
         req.move(S.PREFILLING)
         req.backend, req.lease_deadline = backend, time.monotonic() + timeout
         held = req.block_ids[: req.num_cached_tokens // self.engine.config.block_size]  # our cached prefix
@@ -236,7 +243,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
     def _start_local(self, req: ActiveRequest) -> None:
         req.move(S.RUNNING)
         req.backend, req.prefill_worker = "local", ""
-        self.engine.add_request(req.prompt, req.params, req.request_id)
+        self.engine.add_request(req.prompt, req.params, req.request_id, continuation=req.continuation)
 
     def _collect_prefills(self) -> None:
         for req in [r for r in self._active.values() if r.state is S.PREFILLING]:
@@ -244,7 +251,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
                 self._guarded(self._collect_prefill, req)
 
     def _collect_prefill(self, req: ActiveRequest) -> None:
-        num_written = self.engine.block_manager.num_blocks_for(len(req.prompt)) - len(req.block_ids) + len(req.leased)
+        num_written = self.engine.block_manager.num_blocks_for(len(req.tokens)) - len(req.block_ids) + len(req.leased)
         reply, error, writer_done = self.prefills.outcome(req, self.engine.runner.kv_cache, num_written)
         if req.cancelled:
             self._finish(req, S.ABORTED, writer_done=writer_done)
@@ -252,12 +259,13 @@ class DecodeWorker(pb_grpc.DecodeServicer):
             self.prefills.end_lease(req.request_id, req.prefill_worker)
             req.prefill_ms, req.transfer_ms = reply.prefill_ms, reply.transfer_ms
             req.move(S.RUNNING)
-            self._emit(req, self.engine.add_prefilled(req.request_id, req.prompt, req.params, reply.first_token_id))
+            self._emit(req, self.engine.add_prefilled(req.request_id, req.prompt, req.params, reply.first_token_id,
+                                                      req.continuation))  # fmt: skip
         else:
             log.warning("prefill of %s on %s failed (%s); retrying", req.request_id, req.prefill_worker, error)
             self._release_blocks(req, writer_done)
             req.move(S.RESERVED)
-            req.block_ids, req.num_cached_tokens = self.engine.reserve(req.request_id, req.prompt) or ([], 0)
+            req.block_ids, req.num_cached_tokens = self.engine.reserve(req.request_id, req.tokens) or ([], 0)
             if req.block_ids:
                 self._submit_prefill(req)
             else:

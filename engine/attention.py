@@ -8,7 +8,7 @@ import torch
 
 import kernels
 from kvstore import LayerKV
-from kvstore.transfer import KVMirror
+from kvstore.kv_cache import KVMirror
 
 
 @dataclass
@@ -53,6 +53,7 @@ def paged_attention(
     scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale}
     kernels.store_kvcache(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, **scales)
     for mirror in meta.mirrors:  # e.g. a decode worker's shared pool: written in place, no copy in between
+        mirror.close_expired()  # rows whose right to write there ran out mid-step store nothing from now on
         dst = mirror.layers[layer_index]
         kernels.store_kvcache(
             k, v, dst.k_cache, dst.v_cache, mirror.slot_mapping, k_scale=dst.k_scale, v_scale=dst.v_scale

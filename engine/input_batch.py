@@ -27,7 +27,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.sequence import Sequence
 from kvstore import batch_slots, token_slots
-from kvstore.transfer import KVMirror
+from kvstore.kv_cache import KVMirror
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 _ALIGN = 8  # every section starts 8-byte aligned, so an int64 view of the device bytes is legal
@@ -158,28 +158,32 @@ def stage_step(
         seq_lens=dev["seq_lens"],
         cu_seqlens_q=dev["cu_seqlens_q"],
         num_decodes=num_decodes,
-        mirrors=[KVMirror(layers, dev["mirror_slots"][row]) for layers, row in mirrors],
+        mirrors=[KVMirror(layers, dev["mirror_slots"][row], windows) for layers, row, windows in mirrors],
         max_q_len=int(counts.max()),
     )
     return StepInputs(dev["input_ids"], dev["positions"], meta, dev["logit_rows"], sampled.tolist())
 
 
-def _stage_mirrors(out: np.ndarray, seqs, starts, ends, cu, block_size: int) -> list[tuple[list, int]]:
-    """Fill ``out (pools, tokens)`` with each token's slot in its sequence's destination pool, or -1.
+def _stage_mirrors(out: np.ndarray, seqs, starts, ends, cu, block_size: int) -> list[tuple[list, int, list]]:
+    """Fill ``out (pools, tokens)`` with each token's slot in its sequence's destination pool, or -1; return
+    (pool layers, row of ``out``, write windows) per pool (see ``KVMirror``).
 
     Positions below a sequence's ``num_dest_cached_tokens`` map to -1: the destination already holds them,
-    in blocks other sequences there may be reading.
+    in blocks other sequences there may be reading. A sequence with a ``dest_deadline`` gets a window.
     """
     out.fill(-1)
-    rows: dict[int, tuple[list, int]] = {}
+    rows: dict[int, tuple[list, int, list]] = {}
     for i, seq in enumerate(seqs):
         if seq.kv_destination is None:
             continue
         layers, dst_blocks = seq.kv_destination
-        _, row = rows.setdefault(id(layers), (layers, len(rows)))
+        _, row, windows = rows.setdefault(id(layers), (layers, len(rows), []))
         first = max(int(starts[i]), seq.num_dest_cached_tokens)
         if ends[i] > first:
-            out[row, cu[i] + first - starts[i] : cu[i + 1]] = token_slots(dst_blocks, first, int(ends[i]), block_size)
+            begin = int(cu[i] + first - starts[i])
+            out[row, begin : cu[i + 1]] = token_slots(dst_blocks, first, int(ends[i]), block_size)
+            if seq.dest_deadline is not None:
+                windows.append((seq.dest_deadline, begin, int(cu[i + 1])))
     return list(rows.values())
 
 

@@ -12,9 +12,17 @@ before the step runs:
 
 The destination's blocks below ``num_dest_cached_tokens`` are only ever read: other sequences there may be
 using them.
+
+The right to touch the destination ends at ``seq.dest_deadline`` (a lease's): every copy here and every
+layer's store in a step checks it first (``KVMirror``), so a step under way at the deadline stops reading and
+writing there within one layer. A sequence found past its deadline after a step (``dest_expired``) ends
+without caching that step's blocks: blocks read from the destination are cached only when the read is
+confirmed to have finished inside the right (and the lease names their tokens, ``rpc.lease``).
 """
 
 from __future__ import annotations
+
+import time
 
 from engine.sequence import Sequence
 from kvstore.kv_cache import LayerKV, copy_blocks
@@ -38,11 +46,22 @@ def check_destination(kv_destination: tuple[list, list[int]] | None, num_dest_ca
 def exchange_prefix(seq: Sequence, own: list[LayerKV], num_own_cached_tokens: int, block_size: int) -> None:
     """Right after ``seq`` was admitted (its ``num_computed_tokens`` is where its computation starts, and
     ``num_own_cached_tokens`` of them came from our prefix cache): copy in the destination's prefix blocks
-    that count as computed but are not ours, and copy out our cached blocks that the destination lacks."""
+    that count as computed but are not ours, and copy out our cached blocks that the destination lacks.
+    Either copy stops, layer by layer, at ``seq.dest_deadline``: the step then ends ``seq`` (``dest_expired``)."""
     layers, dst_blocks = seq.kv_destination
     own_end, dest_end = num_own_cached_tokens // block_size, seq.num_dest_cached_tokens // block_size
     computed_end = seq.num_computed_tokens // block_size
+    until = seq.dest_deadline
     if seq.read_dest_prefix and dest_end > own_end:  # then computed_end == dest_end: nothing goes out
-        copy_blocks(layers, dst_blocks[own_end:dest_end], own, seq.block_table[own_end:dest_end].tolist())
+        src, dst = dst_blocks[own_end:dest_end], seq.block_table[own_end:dest_end].tolist()
+        if not copy_blocks(layers, src, own, dst, until):
+            return
     if computed_end > dest_end:
-        copy_blocks(own, seq.block_table[dest_end:computed_end].tolist(), layers, dst_blocks[dest_end:computed_end])
+        src, dst = seq.block_table[dest_end:computed_end].tolist(), dst_blocks[dest_end:computed_end]
+        copy_blocks(own, src, layers, dst, until)
+
+
+def dest_expired(seq: Sequence) -> bool:
+    """Whether ``seq``'s right to read and write its destination has run out (so a step may have stopped
+    short there, and what it read from there is unconfirmed)."""
+    return seq.dest_deadline is not None and time.monotonic() >= seq.dest_deadline

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from engine.bundled import resolve_model
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_destination import check_destination, exchange_prefix
+from engine.continuation import Continuation, check_continuation, resume
+from engine.kv_destination import check_destination, dest_expired, exchange_prefix
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams, check_token_ids
 from engine.scheduler import Scheduler
@@ -139,42 +140,56 @@ class LLMEngine:
         hold_blocks: bool = False,
         num_dest_cached_tokens: int = 0,
         read_dest_prefix: bool = False,
+        dest_deadline: float | None = None,
+        continuation: Continuation | None = None,
     ) -> str:
         """Queue a request. ``hold_blocks`` keeps its blocks after it finishes until ``release``.
+        ``continuation`` goes on from output another worker already streamed (``engine.continuation``).
 
         ``kv_destination`` = (another pool's layers, that pool's whole block table for this prompt): positions
         ``num_dest_cached_tokens..`` of the prompt (that pool holds the rest; a multiple of the block size) end
         up there. Positions this engine computes are stored there as they are computed; those it found in its
         own prefix cache are copied block by block from its pool when the request is admitted. With
         ``read_dest_prefix`` the table's first entries are the blocks holding that pool's prefix, which this
-        engine copies in (read only) instead of computing it (``engine.kv_destination``).
+        engine copies in (read only) instead of computing it (``engine.kv_destination``). From ``dest_deadline``
+        (``time.monotonic()``) on it neither reads nor writes there and the request ends as ``dest_expired``.
         """
-        seq = self._new_sequence(prompt, params, request_id)
+        seq = self._new_sequence(prompt, params, request_id, continuation=continuation)
         check_destination(kv_destination, num_dest_cached_tokens, read_dest_prefix, seq.num_tokens,
                           self.config.block_size)  # fmt: skip
         seq.kv_destination = kv_destination
         seq.num_dest_cached_tokens = num_dest_cached_tokens
         seq.read_dest_prefix = read_dest_prefix
+        seq.dest_deadline = dest_deadline
         seq.hold_blocks = hold_blocks
         self._sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
 
     def _new_sequence(
-        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, reserved: bool = False
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str | None,
+        reserved: bool = False,
+        continuation: Continuation | None = None,
     ) -> Sequence:
         params = params or SamplingParams()
         ids = self.validate(prompt, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._sequences or (self.block_manager.has(request_id) and not reserved):
             raise ValueError(f"request id {request_id!r} is already in use")
-        return Sequence(
+        seq = Sequence(
             seq_id=request_id,
             prompt_token_ids=ids,
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
             sampling_seed=self.runner.sampler.stream_seed(params.seed),
         )
+        if continuation is not None:
+            check_continuation(continuation, seq.num_tokens, params, self.model_config.vocab_size, self.max_model_len)
+            resume(seq, continuation)
+        return seq
 
     # -- KV computed elsewhere (the decode worker's side of disaggregated prefill) ------------------------
 
@@ -197,16 +212,22 @@ class LLMEngine:
             self.block_manager.free(request_id)
 
     def add_prefilled(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token: int
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first_token: int,
+        continuation: Continuation | None = None,
     ) -> RequestOutput:
-        """Start decoding a request whose prompt KV was written into its reserved blocks elsewhere; its full
-        blocks become findable in the prefix cache. With the same seed, its next tokens continue the random
-        stream the prefiller drew ``first_token`` from (the sampler's noise is keyed by seed and position)."""
+        """Start decoding a request whose prompt KV (and a ``continuation``'s output KV) was written into its
+        reserved blocks elsewhere; its full blocks become findable in the prefix cache. With the same seed, its
+        next tokens continue the random stream the prefiller drew ``first_token`` from (the sampler's noise is
+        keyed by seed and position)."""
         if not self.block_manager.has(request_id):
             raise ValueError(f"request {request_id!r} has no reserved blocks")
-        seq = self._new_sequence(prompt_token_ids, params, request_id, reserved=True)
+        seq = self._new_sequence(prompt_token_ids, params, request_id, reserved=True, continuation=continuation)
         seq.block_table = self.block_manager.block_table_array(request_id)
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_computed_tokens = seq.num_tokens
         seq.num_cached_tokens = self.block_manager.num_cached_tokens(request_id)
         self.block_manager.cache_full_blocks(request_id, seq.token_ids, seq.num_computed_tokens)
         self._sequences[request_id] = seq
@@ -238,7 +259,7 @@ class LLMEngine:
     # -- the loop -----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output for every request that got a token this step. Raises ``StepError``."""
+        """Run one batch; an output for each request that got a token or ended (``dest_expired``). Raises StepError."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -252,6 +273,11 @@ class LLMEngine:
             raise StepError([seq.seq_id for seq in batch.seqs], err) from err
         outputs = []
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens, strict=True):
+            if dest_expired(seq):  # the step may have stopped short there, or read past the right: keep nothing
+                self.scheduler.finish(seq, "dest_expired")
+                self._sequences.pop(seq.seq_id, None)
+                outputs.append(self._output(seq, []))
+                continue
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if token is not None:

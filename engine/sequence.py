@@ -50,11 +50,13 @@ class Sequence:
     # sequence); ``hold_blocks`` keeps our own blocks after finishing until the caller releases them. With
     # ``read_dest_prefix`` the table's first ``num_dest_cached_tokens // block_size`` entries are real blocks
     # holding that prefix's KV, which admission copies into our own blocks instead of computing it
-    # (``engine.kv_destination``); ``num_dest_read_tokens`` counts them at the first admission.
+    # (``engine.kv_destination``); ``num_dest_read_tokens`` counts them at the first admission. From
+    # ``dest_deadline`` (``time.monotonic()``) on, the destination is neither read nor written.
     kv_destination: tuple[list, list[int]] | None = None
     num_dest_cached_tokens: int = 0
     read_dest_prefix: bool = False
     num_dest_read_tokens: int = 0
+    dest_deadline: float | None = None
     hold_blocks: bool = False
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import grpc
 
+    from kvserve.cluster import Cluster
     from rpc.auth import Security
 
 
@@ -65,7 +67,10 @@ def _up(args: argparse.Namespace) -> None:
     from rpc.flags import engine_args_to_argv
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kvserve %(levelname)s %(message)s")
+    if args.redis_tcp and args.redis_url:
+        raise ValueError("--redis-tcp is for the embedded Redis, and --redis-url (or $KVSERVE_REDIS_URL) names another")
     security, security_argv = _cluster_security(args)
+    _warn_of_a_password_on_the_command_line(args.redis_url)
     print(f"kvserve: starting {args.prefill} prefill + {args.decode} decode workers and a router...", flush=True)
 
     def interrupt(*_) -> None:
@@ -80,7 +85,11 @@ def _up(args: argparse.Namespace) -> None:
                                 prefill_gpu_memory_utilization=args.prefill_gpu_memory_utilization,
                                 decode_gpu_memory_utilization=args.decode_gpu_memory_utilization, security=security,
                                 security_argv=security_argv, threads=args.threads,
-                                drain_timeout_s=args.drain_timeout, log_dir=args.log_dir)  # fmt: skip
+                                drain_timeout_s=args.drain_timeout, log_dir=args.log_dir,
+                                router_argv=["--migrate-streams", str(args.migrate_streams).lower(),
+                                             "--stream-idle-timeout", str(args.stream_idle_timeout)],
+                                api_key=args.api_key,
+                                redis_tcp=args.redis_tcp)  # fmt: skip
     except KeyboardInterrupt:
         print("kvserve: interrupted during start-up; everything stopped", flush=True)
         return
@@ -89,7 +98,7 @@ def _up(args: argparse.Namespace) -> None:
         signal.signal(sig, lambda *_: stop.set())
     try:
         print("\n".join(cluster.lines()), flush=True)
-        redis = "embedded" if cluster.redis is not None else cluster.redis_url
+        redis = _describe_redis(cluster)
         print(f"kvserve: serving kvserve.v1.Inference on {cluster.endpoint} (Redis: {redis}); Ctrl-C stops", flush=True)
         if cluster.http_endpoint:
             print(f"kvserve: OpenAI-compatible API on {cluster.http_endpoint}/v1", flush=True)
@@ -97,6 +106,28 @@ def _up(args: argparse.Namespace) -> None:
     finally:
         cluster.stop()
     print("kvserve: cluster stopped", flush=True)
+
+
+def _warn_of_a_password_on_the_command_line(redis_url: str | None) -> None:
+    """The children get the URL through their environment, but ours is the command line the user typed."""
+    from urllib.parse import urlsplit
+
+    from rpc.flags import REDIS_URL_ENV
+
+    if redis_url and redis_url != os.environ.get(REDIS_URL_ENV) and urlsplit(redis_url).password:
+        print(f"kvserve: warning: the Redis password in --redis-url is visible to every local user (ps) while "
+              f"kvserve runs; set {REDIS_URL_ENV} instead", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _describe_redis(cluster: Cluster) -> str:
+    """Where the cluster's Redis is, without its password."""
+    from kvstore.redis_link import redact
+
+    redis = cluster.redis
+    if redis is None:
+        return redact(cluster.redis_url)
+    tcp = f" and 127.0.0.1:{redis.port}" if redis.port else ""
+    return f"embedded, {redis.unix_socket}{tcp}; password in {redis.data_dir / 'redis.conf'}"
 
 
 def _tls_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
@@ -113,7 +144,7 @@ def _generate(args: argparse.Namespace) -> None:
     from kvserve.client import Client
 
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    with Client(args.address, credentials=_tls_credentials(args)) as client:
+    with Client(args.address, credentials=_tls_credentials(args), api_key=args.api_key) as client:
         last = None
         for chunk in client.stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature):
             print(chunk.text, end="", flush=True)
@@ -161,19 +192,34 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("bench", help=f"benchmarks: 'kvserve bench {'|'.join(BENCHES)} --help'")
 
     from rpc.auth import add_security_args
-    from rpc.flags import add_engine_args
+    from rpc.flags import REDIS_URL_ENV, add_engine_args, boolean_flag
 
     up = sub.add_parser("up", help="start a local cluster: Redis, prefill and decode workers, router")
     up.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     up.add_argument("--decode", type=int, default=1, help="number of decode workers")
     up.add_argument("--port", type=int, default=50051, help="the router's port (workers use the next ports)")
     up.add_argument("--http-port", type=int, default=8000, help="the router's OpenAI-compatible HTTP API; 0: none")
-    up.add_argument("--redis-url", default=None, help="an existing Redis; default: start an embedded one")
+    up.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or None,
+                    help=f"an existing Redis (default: ${REDIS_URL_ENV}, the place for a password; else an "
+                         "embedded one on a unix socket only this cluster can use, with a generated "
+                         "password)")  # fmt: skip
+    up.add_argument("--redis-tcp", action="store_true",
+                    help="the embedded Redis also listens on a TCP port of 127.0.0.1 (still with its "
+                         "password)")  # fmt: skip
     up.add_argument("--threads", type=int, default=None,
                     help="torch threads per compute worker (default: host cores / compute workers)")  # fmt: skip
     up.add_argument("--drain-timeout", type=float, default=30.0,
                     help="seconds a stopping worker may finish its requests before it is killed")  # fmt: skip
+    up.add_argument("--stream-idle-timeout", type=float, default=30.0,
+                    help="seconds a streaming client may read nothing before the router cancels its stream; 0: no "
+                         "limit")  # fmt: skip
+    up.add_argument("--migrate-streams", type=boolean_flag, default=True,
+                    help="the router continues a stream on another decode worker when its own dies or drains "
+                         "mid-stream (true|false)")  # fmt: skip
     up.add_argument("--log-dir", default=None, help="one <name>.log per process (default: the launcher's stderr)")
+    up.add_argument("--api-key", default=None,
+                    help="clients of the router must send 'Authorization: Bearer <key>'; it reaches the router "
+                         "through its environment (default: $KVSERVE_API_KEY, which ps does not show)")  # fmt: skip
     up.add_argument("--prefill-gpu-memory-utilization", type=float, default=0.35,
                     help="fraction of the GPU's total memory the prefill workers use together (weights "
                          "included; split evenly; passed to each as its --gpu-memory-utilization)")  # fmt: skip
@@ -193,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--tls-ca", default=None, help="PEM CA to verify a router that serves TLS")
     gen.add_argument("--tls-cert", default=None, help="PEM client certificate, when the router wants one (mTLS)")
     gen.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    gen.add_argument("--api-key", default=None, help="the router's API key (default: $KVSERVE_API_KEY)")
     gen.set_defaults(func=_generate)
 
     args = parser.parse_args(argv)

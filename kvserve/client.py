@@ -2,7 +2,8 @@
 
 A prompt is text, a list of token ids, or chat messages (a list of ``{"role", "content"}`` dicts,
 rendered with the model's chat template). Errors arrive as ``grpc.RpcError`` with the server's
-status code and message.
+status code and message. A router started with an API key wants it with every call: ``api_key=``, by
+default ``$KVSERVE_API_KEY``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import grpc
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from rpc.requests import Prompt, build_request
+from rpc.requests import Prompt, api_key_metadata, build_request
 
 __all__ = ["AsyncClient", "Chunk", "Client", "Prompt", "Result", "build_request"]
 
@@ -74,23 +75,27 @@ def _result(chunks: list[Chunk]) -> Result:
 
 
 class Client:
-    """A client of the router's public port; ``credentials`` (``grpc.ssl_channel_credentials``) when it serves TLS."""
+    """A client of the router's public port; ``credentials`` (``grpc.ssl_channel_credentials``) when it serves TLS;
+    ``api_key`` (default ``$KVSERVE_API_KEY``) when it wants one."""
 
     def __init__(
         self,
         address: str = "127.0.0.1:50051",
         timeout_s: float | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        api_key: str | None = None,
     ) -> None:
         if credentials is None:
             self._channel = grpc.insecure_channel(address)
         else:
             self._channel = grpc.secure_channel(address, credentials)
         self._stub = pb_grpc.InferenceStub(self._channel)
+        self._metadata = api_key_metadata(api_key)
         self.timeout_s = timeout_s
 
     def stream(self, prompt: Prompt, **options) -> Iterator[Chunk]:
-        for msg in self._stub.Generate(build_request(prompt, **options), timeout=self.timeout_s):
+        call = self._stub.Generate(build_request(prompt, **options), timeout=self.timeout_s, metadata=self._metadata)
+        for msg in call:
             yield _chunk(msg)
 
     def generate(self, prompt: Prompt, **options) -> Result:
@@ -114,16 +119,19 @@ class AsyncClient:
         address: str = "127.0.0.1:50051",
         timeout_s: float | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        api_key: str | None = None,
     ) -> None:
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(address)
         else:
             self._channel = grpc.aio.secure_channel(address, credentials)
         self._stub = pb_grpc.InferenceStub(self._channel)
+        self._metadata = api_key_metadata(api_key)
         self.timeout_s = timeout_s
 
     async def stream(self, prompt: Prompt, **options) -> AsyncIterator[Chunk]:
-        async for msg in self._stub.Generate(build_request(prompt, **options), timeout=self.timeout_s):
+        call = self._stub.Generate(build_request(prompt, **options), timeout=self.timeout_s, metadata=self._metadata)
+        async for msg in call:
             yield _chunk(msg)
 
     async def generate(self, prompt: Prompt, **options) -> Result:

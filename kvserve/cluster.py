@@ -7,7 +7,17 @@ environment (never its command line, which ``ps`` shows):
 * ``KVSERVE_CLUSTER_TOKEN``: the cluster token (one is generated when none is given), unless the cluster
   runs with ``--insecure-internal``;
 * ``KVSERVE_SHM_DIR``: the cluster's own directory of shared-memory KV pools (``kvserve-<uid>-cluster-<port>``
-  under /dev/shm, mode 0700), cleared of dead processes' pools at start and removed on a clean stop.
+  under /dev/shm, mode 0700), cleared of dead processes' pools at start and removed on a clean stop;
+* ``KVSERVE_INSTANCE_ID``: a secret of this start of this child, new at every restart, which its health
+  answers prove (``rpc.server``): the launcher counts a child as serving only when that child answers;
+* ``KVSERVE_API_KEY`` (the router's): the API key clients must send (``api_key``, ``kvserve up --api-key``;
+  otherwise the launcher's own ``$KVSERVE_API_KEY``, inherited like the rest of its environment);
+* ``KVSERVE_REDIS_URL``: the registry, password included (a ``--redis-url`` given to ``kvserve up`` goes
+  the same way). Without one, the launcher starts an embedded Redis that only the cluster can use: a unix
+  socket in the pool directory (mode 0700), no TCP port unless ``redis_tcp``, and a generated password.
+
+The launcher holds its pool directory and its Redis's scratch directory while it lives (``kvserve.scratch``),
+and every start removes the ones of this user's clusters whose launcher died (SIGKILL skips the clean stop).
 
 Every child is started with ``die_with_parent`` and in its own process group: a SIGKILLed launcher takes
 its children along, and a terminal's Ctrl-C reaches the launcher only, which then stops them all (each drains).
@@ -18,16 +28,13 @@ Compute workers get ``--threads``: their share of the host's cores, so they do n
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
 import secrets
 import socket
-import stat
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +42,13 @@ from pathlib import Path
 from decode_service.prefill_client import REFRESH_S
 from engine.bundled import resolve_model
 from kvserve.processes import Child, RedisChild
-from kvserve.redis_server import EmbeddedRedis, remove_stale_dirs
+from kvserve.redis_server import EmbeddedRedis
+from kvserve.scratch import HeldDir, cluster_shm_dir, hold_dir, remove_dead_clusters, remove_if_abandoned
 from kvstore.registry import Registry
-from kvstore.transfer import SHM_DIR_ENV, SHM_ROOT, remove_stale_pools
+from kvstore.transfer import SHM_DIR_ENV, remove_stale_pools
 from rpc.auth import TOKEN_ENV, TOKEN_FILE_ENV, Security
-from rpc.flags import host_cores
+from rpc.flags import REDIS_URL_ENV, host_cores
+from rpc.requests import API_KEY_ENV
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +56,18 @@ log = logging.getLogger(__name__)
 @dataclass
 class Cluster:
     """The started cluster. ``stop`` sends every child SIGTERM at once (each drains), SIGKILLs what is left
-    after ``stop_timeout_s``, stops an embedded Redis and removes the pool directory (unless a process of
-    another cluster on the same port still has a pool there)."""
+    after ``stop_timeout_s``, stops an embedded Redis and removes the pool directory (unless another cluster
+    on the same port holds it too, or a process of one still has a pool there)."""
 
     endpoint: str
-    redis_url: str
+    redis_url: str = field(repr=False)  # it may hold the password
     shm_dir: Path
     security: Security
     stop_timeout_s: float
     children: list[Child] = field(default_factory=list)
     redis: EmbeddedRedis | None = None
     http_endpoint: str | None = None  # the router's OpenAI-compatible API, "http(s)://HOST:PORT"
+    shm_hold: HeldDir | None = None  # our hold on ``shm_dir`` (see kvserve.scratch)
 
     def child(self, name: str) -> Child:
         [found] = [c for c in self.children if c.name == name]
@@ -85,21 +95,10 @@ class Cluster:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
-        remove_stale_pools(self.shm_dir)  # ours are dead now; a live process's pool file keeps the directory
-        with contextlib.suppress(OSError):
-            self.shm_dir.rmdir()
-
-
-def cluster_shm_dir(port: int) -> Path:
-    """The cluster's pool directory (mode 0700, ours): refuses a path someone else planted there."""
-    root = SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())
-    directory = root / f"kvserve-{os.getuid()}-cluster-{port}"
-    directory.mkdir(mode=0o700, exist_ok=True)
-    info = os.lstat(directory)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise RuntimeError(f"{directory} is not a directory owned by this user; remove it")
-    os.chmod(directory, 0o700)
-    return directory
+        remove_stale_pools(self.shm_dir)  # ours are dead now
+        if self.shm_hold is not None:
+            self.shm_hold.release()
+        remove_if_abandoned(self.shm_dir)
 
 
 def free_base_port(num_workers: int = 4, host: str = "127.0.0.1") -> int:
@@ -146,8 +145,8 @@ def gpu_memory_shares(prefill: float, decode: float, num_prefill: int, num_decod
     return {"prefill": prefill / max(1, num_prefill), "decode": decode / max(1, num_decode)}
 
 
-def _child_env(shm_dir: Path, security: Security) -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", SHM_DIR_ENV: str(shm_dir)}
+def _child_env(shm_dir: Path, security: Security, redis_url: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", SHM_DIR_ENV: str(shm_dir), REDIS_URL_ENV: redis_url}
     env.pop(TOKEN_FILE_ENV, None)
     env.pop(TOKEN_ENV, None)
     if security.token is not None:
@@ -166,6 +165,8 @@ def start_cluster(
     engine_argv: list[str] | None = None,
     decode_argv: list[str] | None = None,
     prefill_argv: list[str] | None = None,
+    router_argv: list[str] | None = None,
+    redis_tcp: bool = False,
     prefill_gpu_memory_utilization: float = 0.35,
     decode_gpu_memory_utilization: float = 0.5,
     security: Security | None = None,
@@ -174,15 +175,18 @@ def start_cluster(
     drain_timeout_s: float = 30.0,
     startup_timeout_s: float = 180.0,
     log_dir: str | Path | None = None,
+    api_key: str | None = None,
 ) -> Cluster:
     """Start the cluster and wait until every process answers its health check.
 
     ``security`` is the launcher's own (a fresh random token when ``None``); its token reaches the children
     through their environment, and ``security_argv`` (``--insecure-internal``, ``--tls-*``) is passed to
     every child as it is. ``*_gpu_memory_utilization``: see ``gpu_memory_shares`` (the defaults leave 15%
-    of the GPU to other processes). Raises ``ValueError`` for shares that do not fit, before starting
-    anything, and ``RuntimeError`` (after stopping what started) when a process exits or does not answer
-    within ``startup_timeout_s``.
+    of the GPU to other processes). ``redis_tcp``: the embedded Redis also listens on a free TCP port of
+    127.0.0.1 (``Cluster.redis.port``), with the same password. ``api_key``: the key the router's clients must
+send, handed to the router in its environment. Raises ``ValueError`` for shares that do not
+    fit, before starting anything, and ``RuntimeError`` (after stopping what started) when a process exits
+    or does not answer within ``startup_timeout_s``.
     """
     shares = gpu_memory_shares(prefill_gpu_memory_utilization, decode_gpu_memory_utilization, num_prefill,
                                num_decode)  # fmt: skip
@@ -196,16 +200,26 @@ def start_cluster(
     metrics_offset = 1000  # a worker's /metrics port: its gRPC port + 1000
     check_ports_free(host, [port, *([http_port] if http_port else []), *decode_ports, *prefill_ports,
                             *(p + metrics_offset for p in decode_ports + prefill_ports)])  # fmt: skip
-    remove_stale_dirs()
-    shm_dir = cluster_shm_dir(port)
+    for path in remove_dead_clusters():
+        log.info("removed %s, left behind by a cluster whose launcher died", path)
+    shm_hold = hold_dir(cluster_shm_dir(port))
+    shm_dir = shm_hold.path
     remove_stale_pools(shm_dir)
-    embedded = EmbeddedRedis() if redis_url is None else None
+    try:
+        embedded = None if redis_url is not None else EmbeddedRedis(
+            port=None if redis_tcp else 0, password=secrets.token_urlsafe(32),
+            unix_socket=shm_dir / f"redis-{os.getpid()}.sock",  # our launcher's: another cluster may share shm_dir
+        )  # fmt: skip
+    except BaseException:
+        shm_hold.release()
+        remove_if_abandoned(shm_dir)
+        raise
     url = embedded.url if embedded is not None else redis_url
     cluster = Cluster(endpoint=f"{host}:{port}", redis_url=url, shm_dir=shm_dir, security=security,
                       stop_timeout_s=drain_timeout_s + 5.0, redis=embedded,
                       http_endpoint=f"{'https' if '--tls-cert' in security_argv else 'http'}://{host}:{http_port}"
-                      if http_port else None)  # fmt: skip
-    env = _child_env(shm_dir, security)
+                      if http_port else None, shm_hold=shm_hold)  # fmt: skip
+    env = _child_env(shm_dir, security, url)
     worker_argv = ["--threads", str(threads_per_worker(num_prefill + num_decode, threads)),
                    "--drain-timeout", str(drain_timeout_s), *security_argv, *engine_argv]  # fmt: skip
     role_argv = {role: [*worker_argv, "--gpu-memory-utilization", str(shares[role]), *(extra or [])]
@@ -216,16 +230,18 @@ def start_cluster(
         for name, role, child_port, extra in specs:
             metrics_port = child_port + metrics_offset
             argv = [sys.executable, "-m", f"{role}_service", "--host", host, "--port", str(child_port),
-                    "--worker-id", name, "--redis-url", url, "--metrics-port", str(metrics_port), *extra]  # fmt: skip
+                    "--worker-id", name, "--metrics-port", str(metrics_port), *extra]  # fmt: skip
             cluster.children.append(_child(name, role, f"{host}:{child_port}", argv, env, security, log_dir,
                                            f"http://{host}:{metrics_port}/metrics"))  # fmt: skip
-        router_argv = [sys.executable, "-m", "router", "--host", host, "--port", str(port), "--redis-url", url,
-                       "--http-port", str(http_port), "--model", model, *security_argv]  # fmt: skip
+        router_cmd = [sys.executable, "-m", "router", "--host", host, "--port", str(port),
+                      "--http-port", str(http_port), "--model", model, "--drain-timeout", str(drain_timeout_s),
+                      *security_argv, *(router_argv or [])]  # fmt: skip
         if "--skip-tokenizer-init" in engine_argv:  # a model without a tokenizer: token-id prompts only
-            router_argv += ["--skip-tokenizer-init", _flag_value(engine_argv, "--skip-tokenizer-init", "false")]
+            router_cmd += ["--skip-tokenizer-init", _flag_value(engine_argv, "--skip-tokenizer-init", "false")]
         router_metrics = f"{cluster.http_endpoint}/metrics" if cluster.http_endpoint else "-"
-        cluster.children.append(_child("router", "router", cluster.endpoint, router_argv, env, security, log_dir,
-                                       router_metrics))  # fmt: skip
+        router_env = {**env, API_KEY_ENV: api_key} if api_key else env
+        cluster.children.append(_child("router", "router", cluster.endpoint, router_cmd, router_env, security,
+                                       log_dir, router_metrics))  # fmt: skip
         deadline = time.monotonic() + startup_timeout_s
         for child in cluster.children:
             while not child.answers(timeout_s=1.0):

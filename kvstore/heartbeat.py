@@ -26,6 +26,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# One beat: rewrite a worker's load fields (with their signature) and refresh its TTL only while its hash
+# exists, so an expired worker is never resurrected as a partial hash holding load numbers alone. Re-adding
+# the id to the set heals a reader's prune that raced with a re-registration.
+# KEYS: worker hash, workers set. ARGV: ttl ms, worker id, field, value, ...
+HEARTBEAT_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[2])
+return 1
+"""
+
 
 class Heartbeat(threading.Thread):
     """A daemon thread beating for ``registry.own`` until ``stop()``.

@@ -17,7 +17,8 @@ model dtype, where quantization hurts accuracy most); ``int8`` stores both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -126,15 +127,49 @@ class KVCache:
         return self.buffer.numel()
 
 
-def copy_blocks(src: list[LayerKV], src_blocks: list[int], dst: list[LayerKV], dst_blocks: list[int]) -> None:
+def copy_blocks(src: list[LayerKV], src_blocks: list[int], dst: list[LayerKV], dst_blocks: list[int],
+                until: float | None = None) -> bool:  # fmt: skip
     """Copy whole blocks (every layer's K, V and INT8 scales) from one pool's views into another's of the same
-    layout: block ``src_blocks[i]`` of ``src`` becomes block ``dst_blocks[i]`` of ``dst``."""
+    layout: block ``src_blocks[i]`` of ``src`` becomes block ``dst_blocks[i]`` of ``dst``.
+
+    With ``until`` (a ``time.monotonic()`` instant) each layer is copied only while that instant is ahead:
+    False when the copy stopped short at it (later layers untouched), True when everything was copied."""
     if len(src_blocks) != len(dst_blocks):
         raise ValueError(f"copying {len(src_blocks)} blocks into {len(dst_blocks)}")
     src_index = torch.tensor(src_blocks, device=src[0].k_cache.device)
     dst_index = torch.tensor(dst_blocks, device=dst[0].k_cache.device)
     for s, d in zip(src, dst, strict=True):
+        if until is not None and time.monotonic() >= until:
+            return False
         for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
             source, target = getattr(s, name), getattr(d, name)
             if source is not None:
                 target.index_copy_(0, dst_index, source.index_select(0, src_index).to(target.device))
+    return True
+
+
+@dataclass
+class KVMirror:
+    """A second pool that some of a batch's tokens must also be stored into, where, and until when.
+
+    ``slot_mapping`` has one entry per token of the batch: the destination slot, or -1 for tokens that do not
+    go there. ``windows`` are (deadline, first row, end row), soonest first: those rows' stores must stop at
+    ``deadline`` (``time.monotonic()``), the end of the right to write there. ``close_expired``, called before
+    each layer's store, turns their slots into -1 once it has passed, so nothing reaches the pool for them
+    later than the one layer's store under way at the deadline.
+    """
+
+    layers: list[LayerKV]
+    slot_mapping: torch.Tensor
+    windows: list[tuple[float, int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.windows.sort()
+
+    def close_expired(self) -> None:
+        if not self.windows or time.monotonic() < self.windows[0][0]:
+            return
+        now = time.monotonic()
+        while self.windows and self.windows[0][0] <= now:
+            _, start, end = self.windows.pop(0)
+            self.slot_mapping[start:end].fill_(-1)

@@ -51,7 +51,7 @@ class RedisLink:
         if not 0 < min_backoff_s <= max_backoff_s:
             raise ValueError(f"need 0 < min_backoff_s <= max_backoff_s, got {min_backoff_s}, {max_backoff_s}")
         self.min_backoff_s, self.max_backoff_s = min_backoff_s, max_backoff_s
-        self.where = _redact(url)
+        self.where = redact(url)
         # The URL's options win over these keyword arguments (redis-py merges them on top), so nothing here
         # can override credentials or TLS. One quick retry without backoff reconnects a pooled socket that a
         # Redis restart left dead, so a restart alone does not look like an outage.
@@ -140,7 +140,7 @@ class RedisLink:
             self._failed("connect", exc)
 
 
-def _redact(url: str) -> str:
+def redact(url: str) -> str:
     """``scheme://host:port/db`` of ``url``, without user or password, for logs and errors."""
     parts = urlsplit(url)
     host = parts.hostname or ""

@@ -13,9 +13,10 @@ Life of a worker here: ``register(info)`` writes its hash and adds it to the set
 its load and TTL every ``ttl_s / 3``; ``stop()`` ends the thread and deregisters. A worker that dies without
 ``stop()`` vanishes from ``workers()`` within ``ttl_s``.
 
-Trust: worker hashes and leases are signed with the cluster token (see kvstore/workers.py) and readers drop
-records that do not verify, so a process that can write to Redis but lacks the token can neither pose as a
-worker (and receive prompts) nor grant itself KV blocks.
+Trust: worker hashes (their load apart) and leases are signed with the cluster token (see kvstore/workers.py)
+and readers drop records that do not verify, so a process that can write to Redis but lacks the token can
+neither pose as a worker (and receive prompts) nor grant itself KV blocks. A worker's load, rewritten by every
+heartbeat, is signed on its own; a reader ignores a load that does not verify (kvstore/worker_reader.py).
 
 Redis is advisory: no request depends on it. Calls go through a ``RedisLink`` (kvstore/redis_link.py): during
 an outage they return at once, without waiting on a socket, with a fallback answer: ``workers()`` the last
@@ -32,9 +33,10 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvstore.heartbeat import Heartbeat
+from kvstore.heartbeat import HEARTBEAT_SCRIPT, Heartbeat
 from kvstore.prefix_index import PrefixIndex
 from kvstore.redis_link import RedisLink
+from kvstore.worker_reader import WorkerReader
 from kvstore.workers import LEASE_STATES, LOAD_FIELDS, Lease, Role, WorkerInfo, check_load
 
 if TYPE_CHECKING:
@@ -44,17 +46,6 @@ logger = logging.getLogger(__name__)
 
 
 WORKERS_KEY = "kvserve:workers"
-
-# Heartbeat: refresh a worker's load fields and TTL only while its hash exists, so an expired worker is never
-# resurrected as a partial hash holding load numbers alone. Re-adding the id to the set heals a reader's prune
-# that raced with a re-registration. KEYS: worker hash, workers set. ARGV: ttl ms, worker id, field, value, ...
-_HEARTBEAT_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
-redis.call('SADD', KEYS[2], ARGV[2])
-return 1
-"""
 
 # Update fields of a hash that still exists, keeping its TTL. KEYS: hash. ARGV: field, value, ...
 _UPDATE_IF_EXISTS_SCRIPT = """
@@ -81,11 +72,12 @@ class Registry:
     """A client of the cluster registry; it speaks for at most one worker, the one last passed to ``register``.
 
     Invariants:
-    * a worker hash in Redis always holds every ``WorkerInfo`` field and a signature over ``SIGNED_FIELDS``
-      (written whole by ``register``, only load fields updated by ``heartbeat``) and expires ``ttl_s`` after
-      the last register or heartbeat;
-    * ``workers()`` returns only workers whose hash exists and verifies, removes dead ids from the set as it
-      reads, and during an outage returns the last list it read;
+    * a worker hash in Redis always holds every ``WorkerInfo`` field, a signature over ``SIGNED_FIELDS`` and
+      one over the load (written whole by ``register``; ``heartbeat`` rewrites the load and its signature)
+      and expires ``ttl_s`` after the last register or heartbeat;
+    * ``workers()`` returns only workers whose hash exists and verifies (with a load that does not verify
+      replaced, see ``WorkerReader``), removes dead ids from the set as it reads, and during an outage
+      returns the last list it read;
     * no method raises on a Redis outage, and none waits on Redis while it backs off (see ``RedisLink``).
 
     ``security`` is required: it signs what this registry writes and verifies what it reads. With
@@ -104,13 +96,13 @@ class Registry:
         self._link = RedisLink(redis_url, socket_timeout_s)
         self._redis = self._link.client
         self.prefix_index = PrefixIndex(self._link)
-        self._heartbeat_script = self._redis.register_script(_HEARTBEAT_SCRIPT)
+        self._heartbeat_script = self._redis.register_script(HEARTBEAT_SCRIPT)
         self._update_if_exists = self._redis.register_script(_UPDATE_IF_EXISTS_SCRIPT)
         self._delete_if_holder = self._redis.register_script(_DELETE_IF_HOLDER_SCRIPT)
         self._state_lock = threading.Lock()
         self._own: WorkerInfo | None = None
         self._last_workers: list[WorkerInfo] = []
-        self._rejected: set[str] = set()  # ids whose unverified hash was already logged
+        self._reader = WorkerReader(security)
         self._heartbeat: Heartbeat | None = None
 
     @property
@@ -139,20 +131,23 @@ class Registry:
         return self._link.call("register", write, False)
 
     def heartbeat(self, worker_id: str, **load_fields: int) -> bool:
-        """Update load fields (any of ``LOAD_FIELDS``) and refresh the TTL of a live worker.
+        """Update load fields (any of ``LOAD_FIELDS``) and refresh the TTL of this registry's worker; the whole
+        load is written again with its signature, in one update.
 
-        Returns False when Redis does not know the worker (expired or Redis restarted) or is down; the caller
-        then registers it again. Raises ``ValueError`` for an unknown or negative load field.
+        Returns False when ``worker_id`` is not the registered worker (we can sign no other's load), or Redis
+        does not know it (expired or Redis restarted) or is down; the caller then registers it again. Raises
+        ``ValueError`` for an unknown or negative load field.
         """
         unknown = set(load_fields) - set(LOAD_FIELDS)
         if unknown:
             raise ValueError(f"unknown load fields {sorted(unknown)}; expected some of {LOAD_FIELDS}")
         check_load(load_fields)
         with self._state_lock:
-            if self._own is not None and self._own.worker_id == worker_id:
-                self._own = dataclasses.replace(self._own, **load_fields)
+            if self._own is None or self._own.worker_id != worker_id:
+                return False
+            own = self._own = dataclasses.replace(self._own, **load_fields)
         args: list[Any] = [_ttl_ms(self.ttl_s), worker_id]
-        for name, value in load_fields.items():
+        for name, value in own.load_to_redis(self._security).items():
             args += [name, value]
         keys = [_worker_key(worker_id), WORKERS_KEY]
         return self._link.call("heartbeat", lambda: bool(self._heartbeat_script(keys=keys, args=args)), False)
@@ -185,26 +180,12 @@ class Registry:
             if dead and self._redis.srem(WORKERS_KEY, *dead):  # the first reader to notice a death cleans up
                 for worker_id in dead:
                     self.prefix_index.purge_worker(worker_id)
-            live = [info for worker_id, fields in zip(ids, hashes, strict=True)
-                    if fields and (info := self._verified_worker(worker_id, fields)) is not None]  # fmt: skip
+            live = self._reader.read(dict(zip(ids, hashes, strict=True)))
             self._last_workers = live
             return live
 
         live = self._link.call("workers", read, self._last_workers)
         return [w for w in live if role is None or w.role == role]
-
-    def _verified_worker(self, worker_id: str, fields: Mapping[str, str]) -> WorkerInfo | None:
-        """The worker a hash describes, or None (logged once per id) when it is malformed or does not verify."""
-        try:
-            info = WorkerInfo.from_redis(fields, self._security)
-            if info.worker_id != worker_id:
-                raise ValueError(f"it names worker {info.worker_id!r}")
-            return info
-        except (KeyError, ValueError) as exc:
-            if worker_id not in self._rejected:
-                self._rejected.add(worker_id)
-                logger.warning("ignoring worker entry %r: %s", worker_id, exc)
-            return None
 
     # ---- heartbeat thread ----------------------------------------------------------------------------------
 

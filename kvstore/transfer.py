@@ -5,8 +5,8 @@ Three backends, picked per worker pair by ``choose_backend``:
 * ``shm`` (same host, CPU): the decode worker's whole pool lives in one
   shared-memory file (mode 0600). The prefill worker maps it once
   (``open_shared_pool``) and its attention layers store each new token's K/V
-  straight into the destination slots of that mapping (``KVMirror``), so
-  the bytes land in the decode worker's memory with no copy in between.
+  straight into the destination slots of that mapping (``kv_cache.KVMirror``),
+  so the bytes land in the decode worker's memory with no copy in between.
 * ``cuda_ipc`` (same host, GPU): the same, with the pool's CUDA IPC handle.
 * ``grpc`` (otherwise): the prefill worker reads the finished blocks out of
   its own pool (``read_blocks``) and streams them in chunks with checksums;
@@ -20,20 +20,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import xxhash
 
-from kvstore.kv_cache import KVCache, KVCacheSpec, LayerKV
+from kvstore.kv_cache import KVCache, KVCacheSpec
 
 SHM_ROOT = Path("/dev/shm")
 SHM_DIR_ENV = "KVSERVE_SHM_DIR"  # the cluster's directory of pool files; ``kvserve up`` sets one per cluster
 CHUNK_BLOCKS = 16  # blocks per gRPC KV chunk (about 12 MB for the bundled model in float32)
+
+log = logging.getLogger(__name__)
 
 
 def fingerprint(architecture: str, spec: KVCacheSpec, extra: str = "") -> str:
@@ -70,24 +72,66 @@ def pool_file_name(worker_id: str, pid: int) -> str:
     return f"kvserve-{worker_id}-{pid}"
 
 
+def pool_file_pid(name: str) -> int | None:
+    """The owning process's pid in a pool file's name (``pool_file_name``); ``None`` for another name."""
+    prefix, _, pid = name.rpartition("-")
+    return int(pid) if prefix.startswith("kvserve-") and pid.isdigit() else None
+
+
 def remove_stale_pools(directory: Path) -> list[Path]:
     """Delete pool files whose owning process (the pid in the name) no longer exists; returns them."""
     removed = []
     for path in directory.glob("kvserve-*-*"):
-        try:
-            pid = int(path.name.rsplit("-", 1)[1])
-        except ValueError:
-            continue
-        if not Path(f"/proc/{pid}").exists():
+        pid = pool_file_pid(path.name)
+        if pid is not None and not Path(f"/proc/{pid}").exists():
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
 
 
-def create_shared_pool(spec: KVCacheSpec, num_blocks: int, name: str) -> tuple[KVCache, Path]:
-    """A KV pool whose bytes live in a new shared-memory file readable and writable by this user only."""
-    path = pool_dir() / pool_file_name(name, os.getpid())
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):,.1f} MiB"
+
+
+def _pool_space_shortfall(directory: Path, nbytes: int) -> str | None:
+    """Why a pool of ``nbytes`` cannot safely live in ``directory``, or None when it fits.
+
+    Pool files are sparse: the filesystem (tmpfs) allocates each page on its first write, and a write that
+    finds it full kills the writer with SIGBUS, long after start-up. So a new pool must fit the free space
+    less what the pool files already there may still claim (their size beyond the pages they hold).
+    """
+    fs = os.statvfs(directory)
+    available = fs.f_bavail * fs.f_frsize
+    promised = 0
+    for other in directory.glob("kvserve-*-*"):
+        try:
+            st = other.stat()
+        except FileNotFoundError:  # removed since the listing
+            continue
+        promised += max(0, st.st_size - st.st_blocks * 512)
+    if nbytes <= available - promised:
+        return None
+    held = f", {_mib(promised)} of it promised to other KV pools there" if promised else ""
+    return (f"the KV pool needs {_mib(nbytes)} but the filesystem of {directory} has {_mib(available)} free"
+            f"{held}: keeping the pool in private memory instead, so prefill workers on this host send its KV "
+            "over gRPC, not through shared memory. To share it, give that filesystem room (Docker: --shm-size, "
+            f"compose: shm_size; or {SHM_DIR_ENV} on a larger tmpfs) or make the pool smaller (--num-blocks, "
+            "--kv-cache-memory-bytes); a decode worker's --no-shm keeps it private without this warning")
+
+
+def create_shared_pool(spec: KVCacheSpec, num_blocks: int, name: str) -> tuple[KVCache, Path | None]:
+    """A KV pool whose bytes live in a new shared-memory file readable and writable by this user only.
+
+    When the pool does not fit the free space of that file's filesystem (``_pool_space_shortfall``) it is
+    made in private memory instead, with a warning, and the path returned is None: nobody maps it then.
+    """
+    directory = pool_dir()
     nbytes = spec.total_bytes(num_blocks)
+    shortfall = _pool_space_shortfall(directory, nbytes)
+    if shortfall is not None:
+        log.warning(shortfall)
+        return KVCache(spec, num_blocks, "cpu"), None
+    path = directory / pool_file_name(name, os.getpid())
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, nbytes)
@@ -105,21 +149,6 @@ def open_shared_pool(spec: KVCacheSpec, num_blocks: int, path: str | Path) -> KV
         raise ValueError(f"shared KV pool {path} has {actual} bytes, expected {nbytes}: layouts differ")
     buffer = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
     return KVCache(spec, num_blocks, "cpu", buffer=buffer)
-
-
-# -- mirrored writes ----------------------------------------------------------------------------------
-
-
-@dataclass
-class KVMirror:
-    """A second pool that some of a batch's tokens must also be stored into, and where.
-
-    ``slot_mapping`` has one entry per token of the batch: the destination slot,
-    or -1 for tokens that do not go there.
-    """
-
-    layers: list[LayerKV]
-    slot_mapping: torch.Tensor
 
 
 # -- block bytes (grpc backend and checksums) ---------------------------------------------------------

@@ -2,7 +2,9 @@
 
 Plain records with their Redis hash encoding; ``kvstore.registry.Registry`` reads and writes them. The
 encoding is signed: ``to_redis`` adds an HMAC keyed by the cluster token (``rpc.auth.Security.sign``) over
-the fields that say who may do what, and ``from_redis`` refuses a hash whose signature does not verify.
+the fields that say who may do what, and ``from_redis`` refuses a hash whose signature does not verify. A
+worker's load, which steers routing too, carries a signature of its own (``load_to_redis``), so that each
+heartbeat can rewrite it alone; ``verified_load`` reads it back only when that signature verifies.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class WorkerInfo:
 
     ``address`` is its gRPC ``host:port``; two workers exchange KV only when their ``fingerprint`` strings are
     equal. ``SIGNED_FIELDS`` are fixed for the worker's life and signed; the ``LOAD_FIELDS`` change with every
-    heartbeat and are unsigned hints.
+    heartbeat and are signed apart from them, together with the worker's id and start time
+    (``load_signature``): a load cannot be moved to another worker or to an earlier life of this one.
     """
 
     worker_id: str
@@ -74,11 +77,18 @@ class WorkerInfo:
     def to_redis(self, security: Security) -> dict[str, str]:
         fields = {f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self)}
         fields["signature"] = security.sign("worker", *(fields[name] for name in SIGNED_FIELDS))
-        return fields
+        return fields | self.load_to_redis(security)
+
+    def load_to_redis(self, security: Security) -> dict[str, str]:
+        """The load fields and their ``load_signature``: what a heartbeat writes, in one update."""
+        load = {name: str(getattr(self, name)) for name in LOAD_FIELDS}
+        return load | {"load_signature": security.sign(*_load_parts(self.worker_id, str(self.started_at), load))}
 
     @classmethod
-    def from_redis(cls, fields: Mapping[str, str], security: Security) -> WorkerInfo:
-        """Inverse of ``to_redis``; raises ``KeyError`` or ``ValueError`` on a malformed or unverified hash."""
+    def from_redis(cls, fields: Mapping[str, str], security: Security, load: Mapping[str, int]) -> WorkerInfo:
+        """Inverse of ``to_redis`` for the signed fields, with ``load`` as its load (``verified_load`` of the
+        hash, or what the reader assumes when that is None); raises ``KeyError`` or ``ValueError`` on a
+        malformed or unverified hash."""
         if not security.verify(fields.get("signature", ""), "worker", *(fields.get(n, "") for n in SIGNED_FIELDS)):
             raise ValueError("its signature does not verify (written without the cluster token?)")
         return cls(
@@ -90,8 +100,27 @@ class WorkerInfo:
             fingerprint=fields["fingerprint"],
             block_size=int(fields["block_size"]),
             started_at=float(fields["started_at"]),
-            **{name: int(fields[name]) for name in LOAD_FIELDS},
+            **{name: load[name] for name in LOAD_FIELDS},
         )
+
+
+def verified_load(fields: Mapping[str, str], security: Security) -> dict[str, int] | None:
+    """The load fields of a worker hash, or None unless their ``load_signature`` verifies for the worker id
+    and start time the hash names (whose own signature ``from_redis`` checks)."""
+    load = {name: fields.get(name, "") for name in LOAD_FIELDS}
+    parts = _load_parts(fields.get("worker_id", ""), fields.get("started_at", ""), load)
+    if not security.verify(fields.get("load_signature", ""), *parts):
+        return None
+    try:
+        values = {name: int(value) for name, value in load.items()}
+        check_load(values)
+    except ValueError:  # signed, so written by a member: only a member's bug gets here
+        return None
+    return values
+
+
+def _load_parts(worker_id: str, started_at: str, load: Mapping[str, str]) -> list[str]:
+    return ["worker-load", worker_id, started_at, *(load[name] for name in LOAD_FIELDS)]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,11 @@
    straight into the destination slots as it is computed; with ``grpc`` the
    finished blocks are read out of our own pool before they are released.
    When the lease offers the destination's cached prefix blocks (``shm``,
-   ``cuda_ipc``), the engine copies them in instead of computing that prefix.
+   ``cuda_ipc``) and names their tokens (the prompt's prefix hash), the engine
+   copies them in instead of computing that prefix. Reading and writing there
+   stop at the lease's expiry less ``lease.WRITE_MARGIN_S``, checked before
+   each step, each copy and each layer's store: a job past it fails
+   (DEADLINE_EXCEEDED), its blocks uncached.
 3. Back on the event loop: ``grpc`` streams the bytes to the decode worker's
    ``PushKV`` in checksummed chunks; the answer carries the first token and
    the checksum of the destination blocks.
@@ -31,17 +35,15 @@ import dataclasses
 import logging
 import queue
 import time
-from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
 
 import grpc
 
-from engine import LLMEngine, SamplingParams
-from kvstore.kv_cache import KVCache
+from engine import LLMEngine
 from kvstore.registry import Registry
 from kvstore.transfer import checksum_blocks, chunked, fingerprint, pool_dir, read_blocks
 from kvstore.workers import WorkerInfo, local_host_id
 from prefill_service.destinations import Destinations, UnknownBackend
+from prefill_service.jobs import LeaseExpired, PrefillJob, PrefillResult, settle
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc import lease, metrics
@@ -50,28 +52,6 @@ from rpc.loop import Loop
 from rpc.validation import validate_sampling
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PrefillJob:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    destination: pb.KVDestination
-    dest_pool: KVCache | None
-    dest_cached_tokens: int = 0  # leading prompt tokens the destination already holds: not written there
-    future: Future = field(default_factory=Future)
-    enqueued: float = field(default_factory=time.perf_counter)
-    cancelled: bool = False  # the caller gave up: never start it, or stop it at the next step
-    writes_ended: bool = False  # we will never write into ``dest_pool`` for it again, and said so
-
-
-@dataclass
-class PrefillResult:
-    first_token: int
-    chunks: list[bytes] | None  # grpc only: the bytes of the blocks the destination lacks, as chunked() splits them
-    prefill_ms: float
-    num_cached_tokens: int  # leading prompt tokens taken from our own prefix cache
 
 
 class PrefillWorker(pb_grpc.PrefillServicer):
@@ -92,6 +72,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         self._num_running = 0
         self.batch_sizes: list[int] = []  # requests per batch, in order (for tests and stats)
         self.num_cancelled = 0  # jobs dropped because their caller gave up
+        self.num_expired = 0  # jobs failed because their lease ran out before they were done
         self._drain_deadline: float | None = None
         self.loop = Loop(self._batch_once, "prefill-batcher")  # the process's main thread runs it (see Loop)
 
@@ -123,6 +104,9 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{len(dest.cached_block_ids)} cached block ids must name the {held // block_size} "
                                 f"blocks of the {held} cached tokens, in a pool this worker maps")  # fmt: skip
+        if dest.cached_block_ids and not lease.confirms_prefix(dest, prompt[:held]):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the lease's cached prefix hash does not name "
+                                f"this prompt's first {held} tokens: its cached block ids are not read")  # fmt: skip
         num_blocks = self.engine.block_manager.num_blocks_for(len(prompt)) - held // block_size  # to write
         if len(dest.block_ids) < num_blocks:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -133,13 +117,15 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except (OSError, RuntimeError, ValueError) as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the decode worker's KV pool: {err}")
-        job = PrefillJob(request.request_id, prompt, params, dest, pool, held)
+        job = PrefillJob(request.request_id, prompt, params, dest, pool, held, lease.write_deadline(dest))
         self._jobs.put(job)
         try:
             result: PrefillResult = await asyncio.wrap_future(job.future)
         except asyncio.CancelledError:  # the caller gave up (cancelled, deadline): never write for it again
             job.cancelled = True
             raise
+        except LeaseExpired as err:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
         except Exception as err:  # noqa: BLE001 - reported to the caller as the RPC's status
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {err}")
         start = time.perf_counter()
@@ -212,7 +198,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         except Exception as err:  # noqa: BLE001 - fail this batch's callers, keep the worker serving
             log.exception("prefill batch of %d failed", len(batch))
             for job in batch:
-                _settle(job, error=err)
+                settle(job, error=err)
                 self._end_writes(job, "failed")
         finally:
             self._num_running = 0
@@ -226,11 +212,10 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         self.batch_sizes.append(len(batch))
         metrics.PREFILL_BATCH.observe(len(batch))
         for job in batch:
-            if job.cancelled:  # its caller is gone: the destination blocks may already be someone else's
-                self._count_cancelled()
-                self._end_writes(job, "failed")
-                continue
             rid = f"prefill-{job.request_id}-{id(job)}"
+            if job.cancelled or job.expired:  # the destination blocks may already be someone else's
+                self._stop(rid, job)
+                continue
             params = dataclasses.replace(job.params, max_tokens=1, stop=[], ignore_eos=True)
             # The table from position 0: its first ``skip`` blocks hold what the destination has and are never
             # written; we read them when the lease offers them, else a leased block stands in as a placeholder.
@@ -241,20 +226,22 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             try:
                 engine.add_request(job.prompt, params, rid, kv_destination=dest, hold_blocks=True,
                                    num_dest_cached_tokens=job.dest_cached_tokens if dest else 0,
-                                   read_dest_prefix=bool(cached and dest))  # fmt: skip
+                                   read_dest_prefix=bool(cached and dest),
+                                   dest_deadline=job.write_until if dest else None)  # fmt: skip
                 pending[rid] = job
             except Exception as err:  # noqa: BLE001 - this job only
-                _settle(job, error=err)
+                settle(job, error=err)
                 self._end_writes(job, "failed")
         try:
             while pending:
-                for rid in [rid for rid, job in pending.items() if job.cancelled]:
-                    self._count_cancelled()
-                    self._drop(rid)
-                    self._end_writes(pending.pop(rid), "failed")
+                for rid in [rid for rid, job in pending.items() if job.cancelled or job.expired]:
+                    self._stop(rid, pending.pop(rid))
                 for out in engine.step():
                     job = pending.pop(out.request_id, None) if out.finished else None
                     if job is None:
+                        continue
+                    if out.finish_reason == "dest_expired":  # the engine stopped reading and writing there
+                        self._stop(out.request_id, job)
                         continue
                     data = None
                     if job.dest_pool is None:  # grpc: the blocks the destination lacks, read out of ours
@@ -263,8 +250,8 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                     engine.release(out.request_id)
                     self._end_writes(job, "success")
                     metrics.count_prefill_tokens(len(job.prompt), out.num_cached_tokens, out.num_dest_read_tokens)
-                    _settle(job, PrefillResult(out.token_ids[0], data, (time.perf_counter() - start) * 1e3,
-                                               out.num_cached_tokens))  # fmt: skip
+                    settle(job, PrefillResult(out.token_ids[0], data, (time.perf_counter() - start) * 1e3,
+                                              out.num_cached_tokens))  # fmt: skip
         finally:
             for rid, job in pending.items():
                 self._drop(rid)
@@ -273,6 +260,17 @@ class PrefillWorker(pb_grpc.PrefillServicer):
     def _count_cancelled(self) -> None:
         self.num_cancelled += 1
         metrics.REQUESTS.labels("prefill", "aborted").inc()
+
+    def _stop(self, rid: str, job: PrefillJob) -> None:
+        """End a job its caller gave up on, or whose lease ran out (the caller hears DEADLINE_EXCEEDED)."""
+        if job.cancelled:
+            self._count_cancelled()
+        else:
+            self.num_expired += 1
+            settle(job, error=LeaseExpired(f"the lease for {job.request_id!r} ran out before its prompt was done "
+                                           "(it was neither read nor written from then on)"))  # fmt: skip
+        self._drop(rid)
+        self._end_writes(job, "failed")
 
     def _end_writes(self, job: PrefillJob, state: str) -> None:
         """Once, when no write of ours into ``job``'s destination pool can come any more: end its lease."""
@@ -283,15 +281,3 @@ class PrefillWorker(pb_grpc.PrefillServicer):
     def _drop(self, rid: str) -> None:
         self.engine.abort(rid)
         self.engine.release(rid)
-
-
-def _settle(job: PrefillJob, result: PrefillResult | None = None, error: BaseException | None = None) -> None:
-    """Answer a job's caller once; a caller that cancelled (its future is cancelled) gets nothing."""
-    try:
-        if error is not None:
-            job.future.set_exception(error)
-        else:
-            job.future.set_result(result)
-    except InvalidStateError:
-        return
-    metrics.REQUESTS.labels("prefill", "failed" if error is not None else "finished").inc()

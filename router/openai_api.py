@@ -2,7 +2,9 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` over server-sent events, ending
 with ``data: [DONE]``; ``stream_options.include_usage`` adds a closing usage event), ``GET /v1/models`` and
-``GET /health`` (503 while no decode worker answers), ``GET /metrics`` (Prometheus, ``rpc.metrics``).
+``GET /health`` (503 while no decode worker answers), ``GET /metrics`` (Prometheus, ``rpc.metrics``; not here when
+the router serves it on its own ``--metrics-port``). Every request first passes the front door
+(``router.limits``): the API key, the body-size limit and the concurrency limit.
 
 A request's life here: the body is parsed (``router.openai_protocol``) into the same ``pb.GenerateRequest``
 the gRPC door takes and handed to ``Router.generate`` in this process: validation, routing and the decode
@@ -32,7 +34,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from router import openai_protocol as api
+from router.limits import FrontDoor, HttpFrontDoor
 from router.server import RouteError, Router
+from rpc.streams import cancel_when_stalled
 
 _T = TypeVar("_T")
 _CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, but logs show what happened
@@ -42,9 +46,12 @@ class _ClientGone(Exception):
     pass
 
 
-def create_app(router: Router, model_name: str) -> FastAPI:
-    """The HTTP API over ``router``; ``model_name`` is what ``/v1/models`` lists and answers carry."""
+def create_app(router: Router, model_name: str, door: FrontDoor | None = None, serve_metrics: bool = True
+               ) -> FastAPI:  # fmt: skip
+    """The HTTP API over ``router`` behind ``door`` (default: no key, default limits); ``model_name`` is what
+    ``/v1/models`` lists and answers carry; ``serve_metrics`` false leaves ``/metrics`` to another port."""
     app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(HttpFrontDoor, door=door or FrontDoor())
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, err: RequestValidationError) -> JSONResponse:
@@ -58,9 +65,11 @@ def create_app(router: Router, model_name: str) -> FastAPI:
             return JSONResponse({"status": "ok"})
         return _error(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
 
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    if serve_metrics:
+
+        @app.get("/metrics")
+        async def prometheus_metrics() -> Response:
+            return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -97,7 +106,8 @@ async def _serve(router: Router, model: str, body: api.CompletionRequest | api.C
     except _ClientGone:
         await stream.aclose()  # cancels the decode call: its blocks are freed
         return Response(status_code=_CLIENT_GONE)
-    events = _events(stream, first, request_id, model, chat, body.include_usage)
+    events = cancel_when_stalled(_events(stream, first, request_id, model, chat, body.include_usage),
+                                 router.stream_idle_timeout_s, f"HTTP {request_id}")  # fmt: skip
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 

@@ -24,6 +24,7 @@ from rpc.requests import build_request
 _HTTP_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
@@ -148,6 +149,12 @@ def chunk(request_id: str, model: str, chat: bool, text: str, finish_reason: str
 
 
 def error(code: grpc.StatusCode, message: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, OpenAI error object) for a gRPC status: 400 bad input, 429 full, 503 no worker, ..."""
+    """(HTTP status, OpenAI error object) for a gRPC status: 400 bad input, 401 no API key, 429 full, 503 no
+    worker, ..."""
     status, kind = _HTTP_ERRORS.get(code, (500, "server_error"))
-    return status, {"error": {"message": message, "type": kind, "param": param, "code": code.name.lower()}}
+    return status, error_body(message, kind, code.name.lower(), param)
+
+
+def error_body(message: str, kind: str, code: str, param: str | None = None) -> dict[str, Any]:
+    """An OpenAI error object; ``code`` is a gRPC status name in lower case."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

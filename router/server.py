@@ -4,8 +4,9 @@
 ``Generate`` and the OpenAI-compatible HTTP API (``router.openai_api``) both consume it, with no second hop.
 
 1. ``generate`` validates the request with ``rpc.validation`` on the router's one validation thread (it
-   tokenizes, rendering chat messages with the model's chat template); anything wrong ends the call with
-   INVALID_ARGUMENT (HTTP 400) and a message saying what to change.
+   tokenizes, rendering chat messages with the model's chat template), smallest request first and with a
+   bounded backlog (``router.validation_queue``); anything wrong ends the call with INVALID_ARGUMENT (HTTP
+   400) and a message saying what to change, a full backlog with RESOURCE_EXHAUSTED (HTTP 429).
 2. It reads the live workers from the registry (off the event loop: a Redis outage must not stall the
    streams) or, without one, takes the static decode addresses; a worker is used only once a direct gRPC
    health check answered SERVING (``WorkerHealth``). It ranks the decode workers by load and names the
@@ -14,8 +15,12 @@
 3. It calls the first decode worker with the cluster token and relays its stream; the decode worker's
    text deltas come from an incremental detokenizer and never end inside a multi-byte character. A worker
    that fails before its first token is replaced by the next one (and, when it was UNAVAILABLE, skipped by
-   later requests for a few seconds); after the first token the error goes to the client. When every worker
-   tried was full the client gets RESOURCE_EXHAUSTED (HTTP 429), else UNAVAILABLE. A client that
+   later requests until a health check says it serves again). One that fails after it (it died, or drained
+   at SIGTERM) is replaced too: the next worker gets the prompt plus the tokens already relayed and the
+   number of characters sent (``DecodeRequest.resumed_output_token_ids``), computes their KV and goes on as
+   the first would have (greedy and seeded requests give the same tokens), so the client sees one
+   uninterrupted stream (``--migrate-streams false``: the error goes to the client instead). When every
+   worker tried was full the client gets RESOURCE_EXHAUSTED (HTTP 429), else UNAVAILABLE. A client that
    cancels cancels the decode call, which frees its blocks.
 """
 
@@ -27,7 +32,6 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 
 import grpc
@@ -40,16 +44,20 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from router.health import WorkerHealth
 from router.routing import RoutingWeights, choose
+from router.validation_queue import DEFAULT_MAX_BACKLOG, ValidationBusy, ValidationQueue
 from rpc import metrics
 from rpc.auth import Security
 from rpc.convert import sampling_to_proto
-from rpc.validation import validate_generate
+from rpc.streams import cancel_when_stalled
 
 log = logging.getLogger(__name__)
 # UNAUTHENTICATED from a decode worker means this router's cluster token is wrong: the client is not to blame,
 # so it gets UNAVAILABLE (after trying the others), not an internal service's auth error.
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
               grpc.StatusCode.UNAUTHENTICATED}  # fmt: skip
+# A stream that already sent tokens continues on another decode worker after these: the worker died
+# (UNAVAILABLE) or drained (it ends what is left at its drain timeout with UNAVAILABLE).
+_MIGRATABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL}
 _SERVICES = {"decode": "kvserve.v1.Decode", "prefill": "kvserve.v1.Prefill"}
 
 
@@ -78,6 +86,9 @@ class Router(pb_grpc.InferenceServicer):
         decode_addresses: list[str] | None = None,
         max_attempts: int = 3,
         weights: RoutingWeights | None = None,
+        migrate_streams: bool = True,
+        stream_idle_timeout_s: float = 30.0,
+        max_validation_backlog: int = DEFAULT_MAX_BACKLOG,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -86,18 +97,19 @@ class Router(pb_grpc.InferenceServicer):
         self.registry = registry
         self.static_decode = [WorkerInfo(worker_id=a, role="decode", address=a) for a in decode_addresses or []]
         self.max_attempts = max_attempts
+        self.migrate_streams = migrate_streams
+        self.stream_idle_timeout_s = stream_idle_timeout_s  # a client that reads nothing this long is dropped
         self.weights = weights or RoutingWeights()
         self.health = WorkerHealth(self._channel)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._in_flight: Counter[str] = Counter()
-        # HF tokenizers are not safe to share between threads; one thread also bounds validation's CPU share.
-        self._validator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-validate")
+        self._validator = ValidationQueue(tokenizer, vocab_size, max_context, max_validation_backlog)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator:
         """The gRPC face of ``generate``: its ``RouteError`` ends the call with that status and message."""
         try:
             async with aclosing(self.generate(request, _remaining(context))) as stream:
-                async for msg in stream:
+                async for msg in cancel_when_stalled(stream, self.stream_idle_timeout_s, f"gRPC {context.peer()}"):
                     yield msg
         except RouteError as err:
             await context.abort(err.code, err.details)
@@ -127,11 +139,11 @@ class Router(pb_grpc.InferenceServicer):
         cancels the decode call, which frees its blocks: both the gRPC servicer and the HTTP API consume it."""
         received = time.perf_counter()
         try:
-            prompt, params = await asyncio.get_running_loop().run_in_executor(
-                self._validator, validate_generate, request, self.tokenizer, self.vocab_size, self.max_context
-            )
+            prompt, params = await self._validator.validate(request)
         except ValueError as err:
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        except ValidationBusy as err:
+            raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from None
         decode, prefill = await asyncio.gather(self._live("decode"), self._live("prefill"))
         owners, num_blocks = await asyncio.to_thread(self._prefix_owners, prompt, decode)
         choice = choose(decode, prefill, owners, num_blocks, self._load, self.weights)  # claimed with no await
@@ -139,34 +151,38 @@ class Router(pb_grpc.InferenceServicer):
         if not targets:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available; is the cluster up?")
         metrics.ROUTING.labels(choice.reason).inc()
-        errors = []
+        errors, relayed = [], _Relayed()
         with self._claim(choice.prefill) as prefill_slot:
             call_request = pb.DecodeRequest(request_id=request.request_id or uuid.uuid4().hex,
                                             prompt_token_ids=prompt, sampling=sampling_to_proto(params),
                                             preferred_prefill_worker=prefill_slot.key)  # fmt: skip
             for worker in targets:
                 with self._claim(worker.worker_id):
+                    relayed.resume(call_request)
                     call = pb_grpc.DecodeStub(self._channel(worker.address)).Generate(
                         call_request, timeout=timeout_s, metadata=self.security.metadata()
                     )
-                    sent = False
                     try:
                         async for msg in call:
-                            if not sent:
-                                sent = True
-                                prefill_slot.release()  # the prompt is prefilled once the first token exists
-                            if msg.finish_reason:  # TTFT is the decode worker's; total includes the router's part
-                                msg.timings.total_ms = (time.perf_counter() - received) * 1000
+                            prefill_slot.release()  # the prompt is prefilled once the first token exists
+                            relayed.add(msg, received)
                             yield msg
                         return
                     except grpc.RpcError as err:
-                        if sent or err.code() not in _RETRYABLE:
+                        if err.code() not in (_MIGRATABLE if self.migrate_streams else set()) and relayed.tokens:
+                            raise RouteError(err.code(), err.details() or "decode worker failed") from None
+                        if err.code() not in _RETRYABLE:
                             raise RouteError(err.code(), err.details() or "decode worker failed") from None
                         if err.code() == grpc.StatusCode.UNAVAILABLE:
                             self.health.bench(worker)
                         errors.append((err.code(), f"{worker.worker_id}: {err.code().name} {err.details()}"))
-                        log.warning("decode worker %s failed before its first token (%s); trying another",
-                                    worker.worker_id, err.code().name)  # fmt: skip
+                        if relayed.tokens:
+                            metrics.MIGRATIONS.inc()
+                            log.warning("decode worker %s failed after %d tokens (%s); moving the stream to another",
+                                        worker.worker_id, len(relayed.tokens), err.code().name)  # fmt: skip
+                        else:
+                            log.warning("decode worker %s failed before its first token (%s); trying another",
+                                        worker.worker_id, err.code().name)  # fmt: skip
                     finally:
                         call.cancel()  # a no-op once it ended; otherwise the client left, and its blocks are freed
         # only when every worker tried was full is it the client's signal to slow down (HTTP 429)
@@ -181,11 +197,11 @@ class Router(pb_grpc.InferenceServicer):
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
-        self._validator.shutdown(wait=False, cancel_futures=True)
+        self._validator.close()
 
     async def _live(self, role: Role) -> list[WorkerInfo]:
-        """The registered workers of ``role`` by id (else the static decode workers, in the order given) that
-        answer health checks."""
+        """The workers of ``role`` that answer health checks, by id: those registered now, those registered
+        before that Redis lost (``WorkerHealth``), else the static decode workers."""
         workers = await asyncio.to_thread(self.registry.workers, role) if self.registry is not None else []
         workers = sorted(workers, key=lambda w: w.worker_id)
         if not workers and role == "decode":
@@ -227,6 +243,33 @@ def _remaining(context: grpc.aio.ServicerContext) -> float | None:
     """The client's deadline as a timeout for the call we make on its behalf (None: it set none)."""
     remaining = context.time_remaining()
     return remaining if remaining is not None and remaining < 1e6 else None
+
+
+class _Relayed:
+    """What a stream has relayed to its client so far: the tokens and the characters of their text, so that a
+    stream whose decode worker dies (or drains) can continue on another as one uninterrupted stream."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.num_chars = 0
+        self.first_at: float | None = None
+        self.moved = False  # the stream continues on another worker than the one that began it
+
+    def resume(self, request: pb.DecodeRequest) -> None:
+        """Make ``request`` continue after what was relayed (nothing yet: the plain request)."""
+        request.resumed_output_token_ids[:] = self.tokens
+        request.num_resumed_chars = self.num_chars
+        self.moved = bool(self.tokens)
+
+    def add(self, msg: pb.GenerateResponse, received: float) -> None:
+        now = time.perf_counter()
+        self.first_at = self.first_at or now
+        self.tokens.extend(msg.token_ids)
+        self.num_chars += len(msg.text)
+        if msg.finish_reason:  # TTFT as this client saw it (the worker that ends a moved stream did not send it)
+            if self.moved:
+                msg.timings.ttft_ms = (self.first_at - received) * 1000
+            msg.timings.total_ms = (now - received) * 1000
 
 
 class _Slot:

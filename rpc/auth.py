@@ -37,6 +37,11 @@ MAX_MESSAGE_BYTES = 64 << 20
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A peer that restarted (same address) is called again within a second of serving: gRPC's default
+    # reconnect backoff grows to 120 s, and a channel to a restarted worker sat in it for seconds.
+    # (not min_reconnect_backoff_ms: gRPC also takes it as the connect timeout)
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 log = logging.getLogger(__name__)
@@ -190,7 +195,15 @@ def security_from_args(args: argparse.Namespace) -> Security:
 
 
 def load_token(path: str | None = None) -> str | None:
+    """The cluster token from ``path`` (else ``$KVSERVE_CLUSTER_TOKEN_FILE``), else ``$KVSERVE_CLUSTER_TOKEN``.
+
+    A token file other users may read or write is refused, as ssh refuses such a private key: whoever reads
+    the token is a cluster member, and may write into any worker's KV pool.
+    """
     path = path or os.environ.get(TOKEN_FILE_ENV)
+    if path and (mode := os.stat(path).st_mode & 0o777) & 0o077:
+        raise ValueError(f"cluster token file {path} has mode {mode:04o}: other users can read it and join the "
+                         f"cluster; make it private (chmod 600 {path}) and make the token anew")  # fmt: skip
     token = Path(path).read_text().strip() if path else os.environ.get(TOKEN_ENV, "").strip()
     if path and not token:
         raise ValueError(f"cluster token file {path} is empty")

@@ -1,4 +1,4 @@
-"""Command-line flags the worker processes share: engine options, where to listen, compute threads."""
+"""Command-line flags the worker processes share: engine options, where to listen, the registry, compute threads."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ from engine import EngineConfig
 from rpc.auth import add_security_args
 
 log = logging.getLogger(__name__)
+
+# The registry's URL, which may hold a password: a process's environment is private to its user, while its
+# command line is not (``ps``, /proc/PID/cmdline), so ``kvserve up`` hands it to its children here.
+REDIS_URL_ENV = "KVSERVE_REDIS_URL"
 
 
 def boolean_flag(text: str) -> bool:
@@ -67,7 +71,7 @@ def add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--port", type=int, default=default_port)
     parser.add_argument("--worker-id", default=None)
     parser.add_argument("--advertise", default=None, help="host:port peers should dial (default: --host:--port)")
-    parser.add_argument("--redis-url", default=None, help="registry (redis:// or rediss://, with password/user)")
+    add_redis_url_arg(parser)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch compute threads (default: this host's cores / its compute workers)")
     parser.add_argument("--metrics-port", type=int, default=0,
@@ -79,6 +83,13 @@ def add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> None:
                         help="fraction of the GPU's total memory this worker may use, weights included (default 0.9)")
     add_security_args(parser)
     add_engine_args(parser)
+
+
+def add_redis_url_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or None,
+                        help="the registry: redis://, rediss:// (TLS) or unix://, with user and password "
+                             f"(default: ${REDIS_URL_ENV}, where a password belongs: every local user can read a "
+                             "command line)")  # fmt: skip
 
 
 def host_cores() -> int:

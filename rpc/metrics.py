@@ -1,9 +1,10 @@
 """Prometheus metrics of every kvserve process, all named ``kvserve_*``, and the HTTP endpoint that serves them.
 
 Workers serve ``/metrics`` on their own ``--metrics-port`` (``start_metrics_server``); the router serves it on
-its HTTP port. Counters and histograms are updated where things happen (off the model's critical path: a
-histogram observation is about a microsecond); gauges that mirror a worker's state (queue depths, KV blocks)
-are read at scrape time from the ``load`` function the worker registers, so nothing updates them per step.
+its HTTP port, or on its own ``--metrics-port`` when given. Counters and histograms are updated where things
+happen (off the model's critical path: a histogram observation is about a microsecond); gauges that mirror a
+worker's state (queue depths, KV blocks) are read at scrape time from the ``load`` function the worker
+registers, so nothing updates them per step.
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ TRANSFER_BYTES = Counter("kvserve_kv_transfer_bytes", "Prompt KV bytes handed fr
 HANDOFF = Histogram("kvserve_kv_handoff_seconds", "Prefill call: sent to KV verified, on the decode worker",
                     ["backend"], buckets=_LATENCY_BUCKETS)  # fmt: skip
 ROUTER_REQUESTS = Counter("kvserve_router_requests", "Requests the router answered, by gRPC status", ["status"])
+STALLED_STREAMS = Counter("kvserve_stalled_streams", "Streams cancelled because their client read nothing for "
+                          "the stream idle timeout")
+MIGRATIONS = Counter("kvserve_router_stream_migrations", "Streams moved to another decode worker after theirs failed "
+                     "mid-stream (it died or drained)")
 ROUTING = Counter("kvserve_router_decisions", "Decode worker choices, by what decided them", ["reason"])
+ROUTER_REFUSED = Counter("kvserve_router_refused", "Requests the router's front door refused before validating "
+                         "them: unauthenticated (API key), too_large (HTTP body) or busy (concurrency limit)",
+                         ["reason"])  # fmt: skip
 
 _STATE = Gauge("kvserve_worker_state", "A worker's queue depths and KV blocks now", ["role", "field"])
 

@@ -1,5 +1,6 @@
 """Building a public ``pb.GenerateRequest`` from plain Python values: the client library and the router's
-OpenAI-compatible HTTP API both use it, so that a request means the same whichever door it came through.
+OpenAI-compatible HTTP API both use it, so that a request means the same whichever door it came through; and
+the API key a client sends with it (``router.limits`` checks it).
 
 Only protobuf is imported here (no engine, no torch): the client library stays light. Nothing is validated
 here; ``rpc.validation`` does that for every request the router receives.
@@ -7,8 +8,11 @@ here; ``rpc.validation`` does that for every request the router receives.
 
 from __future__ import annotations
 
+import os
+
 from protos.kvserve.v1 import kvserve_pb2 as pb
 
+API_KEY_ENV = "KVSERVE_API_KEY"  # the router's API key, and the one its clients send by default
 Prompt = str | list[int] | list[dict[str, str]]
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty")
 
@@ -46,3 +50,14 @@ def build_request(
         request.token_ids.ids.extend(prompt)
         request.token_ids.SetInParent()  # an empty list is still "token_ids", so the server can say it is empty
     return request
+
+
+def resolve_api_key(given: str | None = None) -> str | None:
+    """The API key: ``given``, else ``$KVSERVE_API_KEY``; None when neither is set (or only blanks)."""
+    return (given if given is not None else os.environ.get(API_KEY_ENV, "")).strip() or None
+
+
+def api_key_metadata(given: str | None = None) -> tuple[tuple[str, str], ...]:
+    """gRPC call metadata carrying the API key (``resolve_api_key``) as the router expects it, if there is one."""
+    key = resolve_api_key(given)
+    return (("authorization", f"Bearer {key}"),) if key else ()

@@ -2,14 +2,15 @@
 
     python scripts/reliability.py soak     [--requests 2000 --concurrency 128]
     python scripts/reliability.py threads  [--requests 200 --concurrency 32]
-    python scripts/reliability.py faults   [--requests 60 --concurrency 4]
+    python scripts/reliability.py faults   [--requests 100 --concurrency 16 --max-tokens 32 --fault-after 5]
 
 soak:    every request completes, greedy outputs of equal prompts are equal, and afterwards every decode
          worker's KV blocks are all free again and no lease is left in Redis.
 threads: p99 latency with each worker given its share of the cores (``--threads``, what ``kvserve up`` does)
          against every worker using all cores (torch's default), both clusters up at once, alternating.
 faults:  under a steady load, SIGKILL a decode worker, a prefill worker and Redis, and SIGSTOP Redis for 10 s;
-         for each: requests lost, and seconds until the process serves again.
+         for each: requests lost, and seconds until the process serves again. Streams running on the killed
+         decode worker move to the other (the router's stream migration); none should be lost.
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 MAX_TOKENS = 8
 
 
-def prompts(n: int, distinct: int, seed: int = 0) -> list[BenchRequest]:
+def prompts(n: int, distinct: int, seed: int = 0, max_tokens: int = MAX_TOKENS) -> list[BenchRequest]:
     rng = random.Random(seed)
     pool = [[rng.randrange(100, 20000) for _ in range(rng.randrange(16, 96))] for _ in range(distinct)]
-    return [BenchRequest(pool[i % distinct], MAX_TOKENS) for i in range(n)]
+    return [BenchRequest(pool[i % distinct], max_tokens) for i in range(n)]
 
 
 async def closed_loop(target: str, requests: list[BenchRequest], concurrency: int) -> LoadResult:
@@ -130,9 +131,9 @@ def faults(args: argparse.Namespace, log_dir: str) -> int:
     def under_load(name: str, inject, recovered) -> None:
         result: list[LoadResult] = []
         load = threading.Thread(target=lambda: result.append(asyncio.run(
-            closed_loop(cluster.endpoint, prompts(args.requests, 16), args.concurrency))))  # fmt: skip
+            closed_loop(cluster.endpoint, prompts(args.requests, 16, max_tokens=args.max_tokens), args.concurrency))))
         load.start()
-        time.sleep(2.0)
+        time.sleep(args.fault_after)
         t0 = time.monotonic()
         inject()
         while not recovered():
@@ -192,8 +193,11 @@ def main() -> int:
     parser.add_argument("what", choices=["soak", "threads", "faults"])
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (faults: 32, else 8)")
+    parser.add_argument("--fault-after", type=float, default=5.0, help="faults: seconds into the load")
     args = parser.parse_args()
-    defaults = {"soak": (2000, 128), "threads": (200, 32), "faults": (60, 4)}[args.what]
+    defaults = {"soak": (2000, 128), "threads": (200, 32), "faults": (100, 16)}[args.what]
+    args.max_tokens = args.max_tokens or (32 if args.what == "faults" else MAX_TOKENS)
     args.requests = args.requests or defaults[0]
     args.concurrency = args.concurrency or defaults[1]
     logging.basicConfig(level=logging.WARNING)

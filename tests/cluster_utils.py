@@ -91,16 +91,37 @@ def supervised(c: Cluster, policy: RestartPolicy) -> Iterator[tuple[Supervisor, 
         raise errors[0]
 
 
+def load_request(index: int, max_tokens: int) -> tuple[list[int], dict]:
+    """Load thread ``index``'s request: a prompt of token ids and its sampling options, greedy for even
+    threads and seeded sampling for odd ones (both must survive a hand-over token for token)."""
+    prompt = [1, 504, 3458, 288, 2343, 28, 1953, 216 + index, 42]  # "Count to ten, take N:"-like ids
+    options = {"max_tokens": max_tokens, "ignore_eos": True}
+    options |= {"temperature": 0} if index % 2 == 0 else {"temperature": 0.8, "seed": 1000 + index}
+    return prompt, options
+
+
+def offline_answers(llm, threads: int, max_tokens: int) -> list[list[int]]:
+    """What every load thread's request must return: the offline engine's tokens for it."""
+    from engine import SamplingParams
+
+    requests = [load_request(i, max_tokens) for i in range(threads)]
+    outs = llm.generate([p for p, _ in requests], [SamplingParams(**o) for _, o in requests])
+    return [out.token_ids for out in outs]
+
+
 @dataclass
 class Load:
-    """Client threads sending short greedy requests until ``stop``: counts completions, and each failure's
-    status code with how many tokens it had streamed before it failed."""
+    """Client threads, each sending its request (``load_request``) until ``stop``: counts completions, each
+    failure's status code with how many tokens it had streamed before it failed, and every completed answer
+    that differs from ``expected`` (the offline engine's, ``offline_answers``) as (thread, got)."""
 
     endpoint: str
     threads: int = 3
     max_tokens: int = 8
+    expected: list[list[int]] | None = None
     completed: int = 0
     failures: list[tuple[grpc.StatusCode, int]] = field(default_factory=list)
+    wrong: list[tuple[int, list[int]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -110,18 +131,20 @@ class Load:
             thread.start()
 
     def _run(self, index: int) -> None:
-        with Client(self.endpoint, timeout_s=60) as client:
+        prompt, options = load_request(index, self.max_tokens)
+        with Client(self.endpoint, timeout_s=120) as client:
             while not self._stop.is_set():
-                tokens = 0
+                tokens = []
                 try:
-                    for chunk in client.stream(f"Count to ten, take {index}:", max_tokens=self.max_tokens,
-                                               temperature=0, ignore_eos=True):  # fmt: skip
-                        tokens += len(chunk.token_ids)
+                    for chunk in client.stream(prompt, **options):
+                        tokens += chunk.token_ids
                     with self._lock:
                         self.completed += 1
+                        if self.expected is not None and tokens != self.expected[index]:
+                            self.wrong.append((index, tokens))
                 except grpc.RpcError as err:
                     with self._lock:
-                        self.failures.append((err.code(), tokens))
+                        self.failures.append((err.code(), len(tokens)))
 
     def done_since(self, count: int) -> int:
         with self._lock:

@@ -197,6 +197,18 @@ def test_cached_block_ids_must_name_exactly_the_cached_prefix_blocks(cluster):
         assert "cached block ids" in err.details()
 
 
+def test_cached_blocks_are_read_only_when_the_lease_names_the_prompts_tokens(cluster):
+    """Blocks offered for reading must hold this prompt's prefix by the lease's signed prefix hash: blocks named
+    for other tokens, or for none, are never read (nor cached under this prompt's hashes)."""
+    decode, prefill = cluster
+    for named in (list(range(200, 216)), []):  # _prefill's prompt starts with 100..115
+        dest = _destination(decode, [NUM_BLOCKS - 3, NUM_BLOCKS - 2, NUM_BLOCKS - 1], cached_block_ids=[1])
+        lease.grant(TEST_SECURITY, "misnamed", dest, "prefill-a", 30, named)
+        err = _prefill(prefill, "misnamed", dest, TEST_SECURITY.metadata("decode-a"), 16)
+        assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, named
+        assert "prefix hash" in err.details()
+
+
 def _openssl(*args: str, cwd) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 

@@ -54,6 +54,28 @@ def test_health_is_checked_once_per_worker_start_and_again_after_a_bench():
         aio.stop()
 
 
+def test_a_known_worker_stays_usable_while_redis_lists_nothing_and_is_forgotten_once_gone():
+    """Redis restarted empty (or paused past every TTL): the router keeps the workers it knows while they
+    answer, instead of refusing every request until they register again."""
+    aio = AsyncioThread()
+    server = InProcessServer({"Decode": pb_grpc.DecodeServicer()}, aio=aio)
+    health = WorkerHealth(TEST_SECURITY.aio_channel, bench_s=0.2, recheck_s=0.2)
+    worker = WorkerInfo(worker_id="decode-a", role="decode", address=server.address, started_at=1.0)
+    try:
+        assert aio.run(health.usable([worker], DECODE)) == [worker]
+        assert aio.run(health.usable([], DECODE)) == [worker]  # Redis lists nobody: still ours
+        assert aio.run(health.usable([], "kvserve.v1.Prefill")) == []  # known as a decode worker only
+        time.sleep(0.25)
+        assert aio.run(health.usable([], DECODE)) == [worker]  # checked again while unlisted, and it answers
+        server.stop()
+        time.sleep(0.25)
+        assert aio.run(health.usable([], DECODE)) == []  # checked again: gone, and forgotten
+        assert aio.run(health.usable([worker], DECODE)) == []  # still listed (a stale entry): checked, down
+    finally:
+        server.stop()
+        aio.stop()
+
+
 def test_router_serves_from_the_registered_worker_that_answers(model_dir, caplog):
     with EmbeddedRedis() as redis:  # started first: it forks, which gRPC's threads do not like
         stack = RouterStack(model_dir)

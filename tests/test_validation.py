@@ -51,11 +51,12 @@ def _chat_without_messages() -> pb.GenerateRequest:
         (build_request([5, -1]), r"prompt token ids must be integers in \[0, 49152\); got \[-1\]"),
         (build_request([1] * CONTEXT), "prompt has 8192 tokens; the model's context is 8192"),
         (build_request("word " * 9000), "the model's context is 8192"),
-        (build_request("a" * (MAX_PROMPT_BYTES + 1)), f"prompt text is {MAX_PROMPT_BYTES + 1} bytes long"),
+        # past the context's characters (router.validation_queue), refused untokenized
+        (build_request("a" * (MAX_PROMPT_BYTES + 1)), f"prompt text is {MAX_PROMPT_BYTES + 1} characters long; no "),
         (build_request("é" * (MAX_PROMPT_BYTES // 2 + 1)), f"prompt text is {MAX_PROMPT_BYTES + 2} bytes long"),
         (
             build_request([{"role": "user", "content": "a" * MAX_PROMPT_BYTES}, {"role": "user", "content": "b"}]),
-            f"chat messages' contents are {MAX_PROMPT_BYTES + 1} bytes long",
+            f"chat messages' contents are {MAX_PROMPT_BYTES + 1} characters long; no text longer than",
         ),
         (build_request("hi", request_id="r" * 257), "request_id has 257 characters; at most 256"),
         (build_request("hi", request_id="r" * (5 << 20)), "request_id has 5242880 characters"),

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from rpc.requests import build_request
+from rpc.requests import api_key_metadata, build_request, resolve_api_key
 
 if TYPE_CHECKING:
     from kvserve.bench.loadgen import BenchRequest, Record
@@ -34,10 +34,12 @@ class Backend(Protocol):
 
 
 class GrpcBackend:
-    """``target`` is the router's HOST:PORT; ``credentials`` for a router that serves TLS."""
+    """``target`` is the router's HOST:PORT; ``credentials`` for a router that serves TLS; ``api_key`` (default
+    ``$KVSERVE_API_KEY``) for one that wants a key."""
 
-    def __init__(self, credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(self, credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None) -> None:
         self.credentials = credentials
+        self.metadata = api_key_metadata(api_key)
 
     @asynccontextmanager
     async def connect(self, target: str, sampling: dict, timeout_s: float) -> AsyncIterator[Send]:
@@ -51,7 +53,7 @@ class GrpcBackend:
             began = time.perf_counter()
             proto = build_request(request.prompt, max_tokens=request.max_tokens, **sampling)
             record.num_prompt_tokens = request.num_prompt_tokens
-            call = stub.Generate(proto, timeout=timeout_s)
+            call = stub.Generate(proto, timeout=timeout_s, metadata=self.metadata)
             record.client_s += time.perf_counter() - began
             try:
                 async for msg in call:
@@ -74,7 +76,12 @@ class GrpcBackend:
 
 class OpenAIBackend:
     """``target`` is the router's HTTP API: ``http(s)://HOST:PORT`` or ``HOST:PORT`` (plain HTTP). The model
-    name sent is the first that ``/v1/models`` lists."""
+    name sent is the first that ``/v1/models`` lists. ``api_key`` (default ``$KVSERVE_API_KEY``) goes in an
+    ``Authorization: Bearer`` header."""
+
+    def __init__(self, api_key: str | None = None) -> None:
+        key = resolve_api_key(api_key)
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     @asynccontextmanager
     async def connect(self, target: str, sampling: dict, timeout_s: float) -> AsyncIterator[Send]:
@@ -83,8 +90,10 @@ class OpenAIBackend:
         base = target if "://" in target else f"http://{target}"
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         connector = aiohttp.TCPConnector(limit=0)  # the load engine decides how many are in flight
-        async with aiohttp.ClientSession(base, timeout=timeout, connector=connector) as session:
+        async with aiohttp.ClientSession(base, timeout=timeout, connector=connector, headers=self.headers) as session:
             async with session.get("/v1/models") as reply:
+                if reply.status == 401:
+                    raise SystemExit(f"the router at {base} wants an API key: --api-key or $KVSERVE_API_KEY")
                 reply.raise_for_status()
                 model = (await reply.json())["data"][0]["id"]
 

@@ -122,7 +122,7 @@ def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
 async def _run(args: argparse.Namespace, requests: list[BenchRequest], rates: list[float],
                before: dict[str, float]) -> list[LoadResult]:  # fmt: skip
     """The warm-up, then one run per rate; ``before`` gets the servers' metrics as the measured part starts."""
-    backend = OpenAIBackend() if args.backend == "openai" else GrpcBackend()
+    backend = OpenAIBackend(args.api_key) if args.backend == "openai" else GrpcBackend(api_key=args.api_key)
     target = args.target or ("127.0.0.1:8000" if args.backend == "openai" else "127.0.0.1:50051")
     sampling = {"temperature": args.temperature, "ignore_eos": True}
     common = {"backend": backend, "sampling": sampling, "timeout_s": args.timeout}
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
                              "of its HTTP API for openai (default 127.0.0.1:8000)")  # fmt: skip
     parser.add_argument("--backend", choices=["grpc", "openai"], default="grpc")
     parser.add_argument("--model", default="default", help="whose tokenizer counts jsonl prompts")
+    parser.add_argument("--api-key", default=None, help="the router's API key (default: $KVSERVE_API_KEY)")
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset", choices=DATASETS, default="random")
     data.add_argument("--dataset-path", default=None, help="the JSONL (or ShareGPT JSON) file of --dataset jsonl")
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\n" + report.table(("rate", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "E2E p50",
                                    "E2E p99", "errors"), rows))  # fmt: skip
     if args.save_result:
-        arguments = vars(args)
+        arguments = {k: v for k, v in vars(args).items() if k != "api_key"}  # no secret in a result file
         result = {**summaries[0], "args": arguments} if len(summaries) == 1 else {"runs": summaries, "args": arguments}
         report.save_json(args.save_result, result)
         print(f"saved {args.save_result}")

@@ -107,19 +107,23 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., transfer_backend: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_worker: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "preferred_prefill_worker")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "preferred_prefill_worker", "resumed_output_token_ids", "num_resumed_chars")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESUMED_CHARS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
     preferred_prefill_worker: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., preferred_prefill_worker: _Optional[str] = ...) -> None: ...
+    resumed_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_resumed_chars: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., preferred_prefill_worker: _Optional[str] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ..., num_resumed_chars: _Optional[int] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("worker_id", "backend", "address", "fingerprint", "block_ids", "shm_path", "cuda_ipc_handle", "num_blocks", "prefill_worker_id", "lease_expires_unix_ms", "lease_signature", "cached_block_ids")
+    __slots__ = ("worker_id", "backend", "address", "fingerprint", "block_ids", "shm_path", "cuda_ipc_handle", "num_blocks", "prefill_worker_id", "lease_expires_unix_ms", "lease_signature", "cached_block_ids", "cached_prefix_hash")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +136,7 @@ class KVDestination(_message.Message):
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     backend: str
     address: str
@@ -144,7 +149,8 @@ class KVDestination(_message.Message):
     lease_expires_unix_ms: int
     lease_signature: str
     cached_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., fingerprint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., lease_signature: _Optional[str] = ..., cached_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cached_prefix_hash: str
+    def __init__(self, worker_id: _Optional[str] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., fingerprint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., lease_signature: _Optional[str] = ..., cached_block_ids: _Optional[_Iterable[int]] = ..., cached_prefix_hash: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "num_cached_tokens", "destination")

@@ -1,0 +1,56 @@
+"""A prefill job as the batcher holds it, its result, and how its caller is answered."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+
+from engine import SamplingParams
+from kvstore.kv_cache import KVCache
+from protos.kvserve.v1 import kvserve_pb2 as pb
+from rpc import metrics
+
+
+class LeaseExpired(RuntimeError):
+    """The job's lease ran out (less the margin) before its prompt was done: nothing more was read or written
+    at the destination from then on, and the job failed."""
+
+
+@dataclass
+class PrefillJob:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    destination: pb.KVDestination
+    dest_pool: KVCache | None
+    dest_cached_tokens: int = 0  # leading prompt tokens the destination already holds: not written there
+    write_until: float = float("inf")  # time.monotonic() from which the destination is neither read nor written
+    future: Future = field(default_factory=Future)
+    enqueued: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False  # the caller gave up: never start it, or stop it at the next step
+    writes_ended: bool = False  # we will never write into ``dest_pool`` for it again, and said so
+
+    @property
+    def expired(self) -> bool:
+        return self.dest_pool is not None and time.monotonic() >= self.write_until
+
+
+@dataclass
+class PrefillResult:
+    first_token: int
+    chunks: list[bytes] | None  # grpc only: the bytes of the blocks the destination lacks, as chunked() splits them
+    prefill_ms: float
+    num_cached_tokens: int  # leading prompt tokens taken from our own prefix cache
+
+
+def settle(job: PrefillJob, result: PrefillResult | None = None, error: BaseException | None = None) -> None:
+    """Answer a job's caller once; a caller that cancelled (its future is cancelled) gets nothing."""
+    try:
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
+    except InvalidStateError:
+        return
+    metrics.REQUESTS.labels("prefill", "failed" if error is not None else "finished").inc()
