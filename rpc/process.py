@@ -36,26 +36,33 @@ class Worker(Protocol):
 
 
 def prepare_worker(args: argparse.Namespace, role: str) -> tuple[str, Security, Registry | None]:
-    """What both roles do before loading a model: logging, the worker id, credentials (exit with the reason
-    when they are missing), the registry client and this worker's share of the cores."""
+    """What both roles do before loading a model: logging, credentials (exit with the reason when they are
+    missing or wrong), the worker id (with a cluster certificate: the name it gives, which peers verify),
+    the registry client and this worker's share of the cores."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
-    worker_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
     try:
-        security = security_from_args(args)
+        security = security_from_args(args, role)
     except ValueError as err:
         sys.exit(f"{role} worker: {err}")
+    named = security.identity.name if security.identity is not None else None
+    if args.worker_id and named and args.worker_id != named:
+        sys.exit(f"{role} worker: --worker-id {args.worker_id} differs from the name in its certificate ({named}), "
+                 "which peers check")  # fmt: skip
+    worker_id = args.worker_id or named or f"{role}-{uuid.uuid4().hex[:8]}"
     registry = Registry(args.redis_url, security=security) if args.redis_url else None
-    compute_threads(args, registry)
+    compute_threads(args, registry, worker_id)
     return worker_id, security, registry
 
 
-def compute_threads(args: argparse.Namespace, registry: Registry | None) -> int:
-    """Set this worker's torch threads: ``--threads``, else its share of the host with the compute workers the
-    registry knows on this host (``kvserve up`` always passes ``--threads``)."""
+def compute_threads(args: argparse.Namespace, registry: Registry | None, worker_id: str) -> int:
+    """Set this worker's torch threads: ``--threads``, else its share of the host with the other compute workers
+    the registry knows on this host (``kvserve up`` always passes ``--threads``). A restarted worker's own
+    entry from its previous life is not another worker."""
     others = 0
     if args.threads is None and registry is not None:
         host = local_host_id()
-        others = sum(w.host_id == host for w in registry.workers() if w.role in ("prefill", "decode"))
+        others = sum(w.host_id == host and w.worker_id != worker_id for w in registry.workers()
+                     if w.role in ("prefill", "decode"))  # fmt: skip
     return set_compute_threads(args.threads, others + 1)
 
 
