@@ -9,6 +9,17 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # see kvserve/__init
 import pytest  # noqa: E402
 import torch
 
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The one CUDA skip: every test marked ``gpu`` is skipped on a machine without a CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: needs a CUDA device (run it on the GPU machine: scripts/gpu_check.sh)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 NUM_NEW_TOKENS = 32
 BLOCK_SIZE = 16
 

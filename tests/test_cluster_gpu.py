@@ -58,7 +58,6 @@ NEW_TOKENS = 16
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_1p1d_on_one_gpu_hands_off_by_cuda_ipc_with_the_offline_engines_tokens(tmp_path):
     import random
 

@@ -21,7 +21,6 @@ from engine.tokenizer import IncrementalDetokenizer
 from kvstore import BlockManager
 
 MAX_NUM_SEQS = 16  # buckets 1, 2, 4, 8, 16
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _pair(model: str = "default", **options) -> tuple[LLM, LLM]:
@@ -148,7 +147,6 @@ def _cuda_pair(model_dir) -> tuple[LLM, LLM]:
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_graphs_greedy_equals_eager(qwen2_cuda_dir):
     graphs, eager = _cuda_pair(qwen2_cuda_dir)
     assert graphs.engine.runner.graphs is not None and eager.engine.runner.graphs is None
@@ -160,7 +158,6 @@ def test_graphs_greedy_equals_eager(qwen2_cuda_dir):
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_graphs_batched_equals_one_at_a_time(qwen2_cuda_dir):
     llm, _ = _cuda_pair(qwen2_cuda_dir)
     prompts = _random_prompts((3, 16, 40, 130, 250))
@@ -171,7 +168,6 @@ def test_graphs_batched_equals_one_at_a_time(qwen2_cuda_dir):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @torch.inference_mode()
 def test_graph_replay_matches_its_eager_forward(qwen2_cuda_dir):
     """One decode batch, staged once: the replayed graph's logits are the padded forward's, run eagerly."""

@@ -26,7 +26,7 @@ DEVICES = [
     pytest.param(
         "cuda",
         id="cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+        marks=pytest.mark.gpu,
     ),  # fmt: skip
 ]
 # Relative L2 error of the last position's logits against transformers in fp32, per (model dtype, KV dtype).

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 from cluster_utils import ENGINE_ARGV, Load, cluster, free_base_port, offline_answers, supervised
+from waiting import wait_until
 
 from kvserve.client import Client
 from kvserve.cluster import Cluster, cluster_shm_dir
@@ -43,21 +44,12 @@ def expected(llm):
     return offline_answers(llm, CONCURRENCY, MAX_TOKENS)
 
 
-def _wait(condition, timeout_s: float, what: str) -> float:
-    """Poll ``condition`` until it holds; returns the seconds it took."""
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout_s, f"{what} within {timeout_s:.0f} s"
-        time.sleep(0.1)
-    return time.monotonic() - start
-
-
 def _kill_and_await_restart(c: Cluster, name: str) -> tuple[int, float]:
     """SIGKILL ``name``; returns its old pid and the seconds until its restarted process answers health."""
     child = c.child(name)
     old_pid = child.pid
     os.kill(old_pid, signal.SIGKILL)
-    recovery_s = _wait(lambda: child.pid != old_pid and child.answers(), 90, f"{name} restarted and answering")
+    recovery_s = wait_until(lambda: child.pid != old_pid and child.answers(), 90, f"{name} restarted and answering")
     return old_pid, recovery_s
 
 
@@ -68,16 +60,16 @@ def test_killed_workers_are_restarted_while_serving_goes_on(two_by_two, expected
     c, supervisor, messages = two_by_two
     load = Load(c.endpoint, threads=CONCURRENCY, max_tokens=MAX_TOKENS, expected=expected)
     try:
-        _wait(lambda: load.completed >= CONCURRENCY, 120, "the load got going")
+        wait_until(lambda: load.completed >= CONCURRENCY, 120, "the load got going")
         decode_pid, decode_recovery_s = _kill_and_await_restart(c, "decode-0")
         restarted_pid = c.child("decode-0").pid
         assert not (c.shm_dir / pool_file_name("decode-0", decode_pid)).exists(), "the dead worker's pool is left"
         assert (c.shm_dir / pool_file_name("decode-0", restarted_pid)).exists()
         count = load.completed
-        _wait(lambda: load.done_since(count) >= 3, 60, "requests completed after the decode worker's restart")
+        wait_until(lambda: load.done_since(count) >= 3, 60, "requests completed after the decode worker's restart")
         prefill_pid, prefill_recovery_s = _kill_and_await_restart(c, "prefill-0")
         count = load.completed
-        _wait(lambda: load.done_since(count) >= 3, 60, "requests completed after the prefill worker's restart")
+        wait_until(lambda: load.done_since(count) >= 3, 60, "requests completed after the prefill worker's restart")
     finally:
         load.stop()
     print(f"\ndecode-0: serving again {decode_recovery_s:.1f} s after SIGKILL; prefill-0: {prefill_recovery_s:.1f} s;"
@@ -102,10 +94,10 @@ def test_no_blocks_leak_after_the_faults(two_by_two):
         return len(workers) == 2 and all(w.free_blocks == w.total_blocks for w in workers)
 
     # blocks a killed prefill worker was writing are held until its restarted successor ends its leases
-    took_s = _wait(all_free, 20, f"every decode worker idle with all blocks free: {registry.workers('decode')}")
+    took_s = wait_until(all_free, 20, f"every decode worker idle with all blocks free: {registry.workers('decode')}")
     print(f"\nall decode blocks free {took_s:.1f} s after the load")
     raw = redis.Redis.from_url(c.redis_url)
-    _wait(lambda: not raw.keys("kvserve:lease:*"), 20, "no lease left in Redis")
+    wait_until(lambda: not raw.keys("kvserve:lease:*"), 20, "no lease left in Redis")
     raw.close()
 
 
@@ -116,7 +108,7 @@ def test_paused_redis_costs_no_request(two_by_two, expected):
     c, _, _ = two_by_two
     load = Load(c.endpoint, threads=CONCURRENCY, max_tokens=MAX_TOKENS, expected=expected)
     try:
-        _wait(lambda: load.completed >= CONCURRENCY, 120, "the load got going")
+        wait_until(lambda: load.completed >= CONCURRENCY, 120, "the load got going")
         os.kill(c.redis.pid, signal.SIGSTOP)
         try:
             before = load.completed
@@ -125,7 +117,7 @@ def test_paused_redis_costs_no_request(two_by_two, expected):
         finally:
             os.kill(c.redis.pid, signal.SIGCONT)
         after = load.completed
-        _wait(lambda: load.done_since(after) >= CONCURRENCY, 120, "requests completing after Redis resumed")
+        wait_until(lambda: load.done_since(after) >= CONCURRENCY, 120, "requests completing after Redis resumed")
     finally:
         load.stop()
     print(f"\nRedis paused 10 s at concurrency {CONCURRENCY}: {during} requests completed meanwhile, "
@@ -139,18 +131,18 @@ def test_killed_redis_costs_no_request_and_workers_register_again(two_by_two, ex
     c, supervisor, messages = two_by_two
     load = Load(c.endpoint, threads=CONCURRENCY, max_tokens=MAX_TOKENS, expected=expected)
     try:
-        _wait(lambda: load.completed >= CONCURRENCY, 120, "the load got going")
+        wait_until(lambda: load.completed >= CONCURRENCY, 120, "the load got going")
         old_pid = c.redis.pid
         os.kill(old_pid, signal.SIGKILL)
         killed = time.monotonic()
-        _wait(lambda: c.redis.pid != old_pid and c.redis.alive, 30, "Redis restarted")
+        wait_until(lambda: c.redis.pid != old_pid and c.redis.alive, 30, "Redis restarted")
         restarted_s = time.monotonic() - killed
         names = {"decode-0", "decode-1", "prefill-0", "prefill-1"}
         registry = Registry(c.redis_url, security=c.security)  # a fresh reader: its fallback view is empty
-        _wait(lambda: names <= {w.worker_id for w in registry.workers()}, 30, "every worker registered again")
+        wait_until(lambda: names <= {w.worker_id for w in registry.workers()}, 30, "every worker registered again")
         registered_s = time.monotonic() - killed
         after = load.completed
-        _wait(lambda: load.done_since(after) >= CONCURRENCY, 120, "requests completing after the restart")
+        wait_until(lambda: load.done_since(after) >= CONCURRENCY, 120, "requests completing after the restart")
     finally:
         load.stop()
     print(f"\nRedis restarted {restarted_s:.1f} s after SIGKILL; workers registered again after {registered_s:.1f} s;"
@@ -172,12 +164,12 @@ def test_a_draining_decode_worker_hands_its_streams_over_and_gets_traffic_once_r
     moved_before = router_log.read_text().count("moving the stream to another")
     child = c.child("decode-1")
     try:
-        _wait(lambda: load.completed >= threads, 120, "the load got going")
+        wait_until(lambda: load.completed >= threads, 120, "the load got going")
         old_pid = child.pid
         os.kill(old_pid, signal.SIGTERM)
-        _wait(lambda: child.pid != old_pid and child.answers(), 90, "decode-1 restarted and answering")
+        wait_until(lambda: child.pid != old_pid and child.answers(), 90, "decode-1 restarted and answering")
         registry = Registry(c.redis_url, security=c.security)
-        _wait(lambda: "decode-1" in {w.worker_id for w in registry.workers()}, 10, "decode-1 registered again")
+        wait_until(lambda: "decode-1" in {w.worker_id for w in registry.workers()}, 10, "decode-1 registered again")
         registry.stop()
         serving, served_by = time.monotonic(), []
         with Client(c.endpoint, timeout_s=60) as client:  # decode-0 runs the load: an idle decode-1 should win
@@ -229,7 +221,7 @@ def test_killed_launcher_leaves_no_orphans_and_the_next_start_cleans_up(tmp_path
     assert len(pools) == 1 and len(redis_dirs) == 1
     launcher.kill()
     launcher.wait()
-    gone_s = _wait(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 5, "children died with it")
+    gone_s = wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 5, "children died with it")
     print(f"\nthe SIGKILLed launcher's children were gone after {gone_s:.2f} s")
     for child_port in (port, port + 10):
         with socket.socket() as s:

@@ -11,6 +11,7 @@ import grpc
 import pytest
 import xxhash
 from service_utils import TEST_SECURITY, InProcessServer
+from waiting import wait_until
 
 from decode_service.worker import DecodeWorker
 from engine import LLMEngine
@@ -120,14 +121,6 @@ def _generate(address: str, request_id: str, prompt: list[int], max_tokens: int)
     return channel, pb_grpc.DecodeStub(channel).Generate(request, timeout=120, metadata=TEST_SECURITY.metadata())
 
 
-def _wait(condition, timeout_s: float, what: str) -> float:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout_s, what
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
 @pytest.mark.slow
 def test_expired_lease_quarantines_blocks_and_the_request_completes(engine_prompts, hf_greedy):
     # the prefill worker holds each batch open for 4 s, longer than the decode worker waits for a prefill
@@ -143,7 +136,7 @@ def test_expired_lease_quarantines_blocks_and_the_request_completes(engine_promp
         assert prefill.batch_sizes == [1] and prefill.num_cancelled == 1
         assert prefill_engine.block_manager.num_free_blocks == prefill_engine.block_manager.num_blocks
         pool = engine.block_manager  # the late writer finishes; the quarantine ends after the timeout
-        _wait(lambda: pool.num_free_blocks == pool.num_blocks, 10, "quarantined blocks were never freed")
+        wait_until(lambda: pool.num_free_blocks == pool.num_blocks, 10, "quarantined blocks were never freed")
 
 
 @pytest.mark.slow
@@ -154,15 +147,15 @@ def test_blocks_of_an_abandoned_prefill_are_freed_when_the_writer_ends_its_lease
     with _slow_prefill_and_decode("decode-q", 1500, 60.0, True) as (url, prefill, _, _, decode, engine, address):
         channel, call = _generate(address, "gone", engine_prompts[5], 8)
         with channel:
-            _wait(lambda: registry_has_lease(url), 20, "the prefill was never leased")
+            wait_until(lambda: registry_has_lease(url), 20, "the prefill was never leased")
             call.cancel()
-        _wait(lambda: decode.quarantine.num_held == 1, 20, "the abandoned blocks were not held back")
+        wait_until(lambda: decode.quarantine.num_held == 1, 20, "the abandoned blocks were not held back")
         pool = engine.block_manager
-        _wait(lambda: pool.num_free_blocks == pool.num_blocks, 15, "held blocks were not freed when the writer "
+        wait_until(lambda: pool.num_free_blocks == pool.num_blocks, 15, "held blocks were not freed when the writer "
               "ended its lease")  # fmt: skip
         assert decode.quarantine.num_freed_early == 1  # by the writer's word, not by the 60 s deadline
         assert prefill.num_cancelled == 1
-        _wait(lambda: not registry_has_lease(url), 5, "the ended lease was left in Redis")  # the holder deleted it
+        wait_until(lambda: not registry_has_lease(url), 5, "the ended lease was left in Redis")  # the holder deleted it
 
 
 @pytest.mark.slow
@@ -174,13 +167,13 @@ def test_blocks_held_for_a_vanished_writer_are_freed_when_nothing_listens_at_its
                                                                      address):  # fmt: skip
         channel, call = _generate(address, "vanish", engine_prompts[5], 32)
         with channel:
-            _wait(lambda: registry_has_lease(url), 20, "the prefill was never leased")
+            wait_until(lambda: registry_has_lease(url), 20, "the prefill was never leased")
             prefill_server.stop()  # the port closes while the prompt waits in the batch window
             messages = list(call)
         assert [t for m in messages for t in m.token_ids] == hf_greedy[5]
         assert messages[-1].transfer_backend == "local"
         pool = engine.block_manager
-        _wait(lambda: pool.num_free_blocks == pool.num_blocks, 15, "held blocks were not freed after the writer "
+        wait_until(lambda: pool.num_free_blocks == pool.num_blocks, 15, "held blocks were not freed after the writer "
               "vanished")  # fmt: skip
         assert decode.quarantine.num_held == 1 and decode.quarantine.num_freed_early == 1
 

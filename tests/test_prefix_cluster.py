@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 import redis
 from cluster_utils import cluster, hf_reference
+from waiting import wait_until
 
 from kvserve.client import Client
 from kvstore.prefix_hash import block_hashes
@@ -26,13 +26,6 @@ def one_by_two(tmp_path_factory):
     c.stop()
 
 
-def _wait(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 def test_a_shared_prefix_is_served_from_cache_where_it_lives(one_by_two, engine_prompts, hf_model):
     c = one_by_two
@@ -46,7 +39,7 @@ def test_a_shared_prefix_is_served_from_cache_where_it_lives(one_by_two, engine_
             decode = [w for w in registry.workers("decode") if w.worker_id == cold.decode_worker][0]
             chain = block_hashes(first, decode.block_size, decode.fingerprint)
             # the index learns the blocks from the decode worker (and the prefill worker, which cached them too)
-            _wait(lambda: registry.prefix_index.owners(chain).get(decode.worker_id) == len(chain), 10,
+            wait_until(lambda: registry.prefix_index.owners(chain).get(decode.worker_id) == len(chain), 10,
                   f"the decode worker's blocks in Redis: {registry.prefix_index.owners(chain)}")  # fmt: skip
             assert registry.prefix_index.owners(chain).get("prefill-0") == len(chain)
             warm = client.generate(second, **GREEDY)
@@ -55,7 +48,7 @@ def test_a_shared_prefix_is_served_from_cache_where_it_lives(one_by_two, engine_
         assert warm.token_ids == hf_reference(hf_model, second)  # and exact
         # the decode worker dies: within its heartbeat TTL its entries are gone from the index
         os.kill(c.child(decode.worker_id).pid, signal.SIGKILL)
-        _wait(lambda: decode.worker_id not in {w.worker_id for w in registry.workers()}, registry.ttl_s + 5,
+        wait_until(lambda: decode.worker_id not in {w.worker_id for w in registry.workers()}, registry.ttl_s + 5,
               "the killed worker left the registry")  # fmt: skip
         assert decode.worker_id not in registry.prefix_index.owners(chain)
         raw = redis.Redis.from_url(c.redis_url)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from waiting import wait_until
 
 from kvserve.redis_server import EmbeddedRedis
 from kvstore.prefix_publisher import PrefixPublisher
@@ -14,13 +15,6 @@ from kvstore.workers import WorkerInfo
 from rpc.auth import Security
 
 SECURITY = Security(token="prefix-index-test")
-
-
-def _wait(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -36,14 +30,14 @@ def test_events_reach_the_index_and_a_dead_workers_entries_are_purged(redis_url)
     publisher = PrefixPublisher(worker.prefix_index, "d0", lambda: list(held))
     reader = Registry(redis_url, security=SECURITY)
     try:
-        _wait(lambda: reader.prefix_index.owners(held) == {"d0": 3})  # the start-up resync published the set
+        wait_until(lambda: reader.prefix_index.owners(held) == {"d0": 3})  # the start-up resync published the set
         publisher.publish(stored=["h3"], evicted=["h1"])
-        _wait(lambda: reader.prefix_index.owners(["h0", "h1"]) == {"d0": 1})
+        wait_until(lambda: reader.prefix_index.owners(["h0", "h1"]) == {"d0": 1})
         assert reader.prefix_index.owners(["h3"]) == {"d0": 1}
         publisher.publish(stored=["h1"], evicted=[])  # the last event per hash wins
         publisher.publish(stored=[], evicted=["h1"])
         publisher.publish(stored=["h1"], evicted=[])
-        _wait(lambda: reader.prefix_index.owners(held) == {"d0": 3})
+        wait_until(lambda: reader.prefix_index.owners(held) == {"d0": 3})
         # d0 dies: no deregistration, its key expires; the next reader of the registry purges its blocks
         publisher.stop()
         time.sleep(1.2)
@@ -61,7 +55,7 @@ def test_a_restarted_worker_starts_from_an_empty_entry_set(redis_url):
     first.prefix_index.apply("d1", {"old0": True})
     publisher = PrefixPublisher(first.prefix_index, "d0", lambda: ["new0"])
     try:
-        _wait(lambda: first.prefix_index.owners(["new0"]) == {"d0": 1})
+        wait_until(lambda: first.prefix_index.owners(["new0"]) == {"d0": 1})
         assert first.prefix_index.owners(["old0", "old1"]) == {"d1": 1}  # d0's stale entries are gone, d1's stay
     finally:
         publisher.stop()

@@ -11,13 +11,12 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis
 from redis_probe import listening
+from waiting import wait_until
 
 from kvserve.redis_binary import ServerBinary, find_server, server_binary
 from kvserve.redis_server import EmbeddedRedis
@@ -33,14 +32,6 @@ def _gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return stat.rsplit(")", 1)[-1].split()[0] == "Z"
-
-
-def _wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout_s} s")
-        time.sleep(0.02)
 
 
 def test_stop_leaves_no_process_and_no_files() -> None:
@@ -84,7 +75,7 @@ def test_a_sigterm_persists_nothing() -> None:
         with redis.Redis.from_url(server.url) as client:
             client.set("k", "v")
         os.kill(server.pid, signal.SIGTERM)  # a server with save points writes its dump.rdb now
-        _wait_for(lambda: not server.alive)
+        wait_until(lambda: not server.alive)
         assert sorted(p.name for p in server.data_dir.iterdir()) == ["redis.conf", "redis.log", "server.pid"]
 
 
@@ -124,7 +115,7 @@ def test_a_socket_only_server_has_no_tcp_port_and_keeps_its_socket_across_restar
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(unix_socket_path=str(socket_path)).set("k", "v")
         os.kill(server.pid, signal.SIGKILL)  # leaves its socket file behind
-        _wait_for(lambda: not server.alive)
+        wait_until(lambda: not server.alive)
         server.restart()
         with redis.Redis.from_url(server.url, decode_responses=True) as client:
             assert client.info("server")["process_id"] == server.pid
@@ -138,7 +129,7 @@ def test_restart_brings_a_killed_server_back_empty_on_the_same_port_and_password
             client.set("k", "v")
 
         os.kill(old_pid, signal.SIGKILL)
-        _wait_for(lambda: not server.alive)
+        wait_until(lambda: not server.alive)
 
         server.restart()
         assert server.alive and server.pid != old_pid and server.url == url
@@ -165,7 +156,7 @@ def test_server_dies_with_a_killed_launcher_and_its_directory_is_then_removed() 
         launcher.wait()
         launcher.stdout.close()
     left_behind = Path(data_dir)
-    _wait_for(lambda: _gone(int(pid)))
+    wait_until(lambda: _gone(int(pid)))
     assert left_behind.exists()  # SIGKILL skipped the launcher's clean-up
 
     # a directory nobody holds that names a live server: an older kvserve's, which held nothing

@@ -7,10 +7,11 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import redis
+from waiting import wait_until
 
 from kvserve.redis_server import EmbeddedRedis
 from kvstore.registry import Registry
@@ -43,16 +44,6 @@ def registry(redis_server: EmbeddedRedis, raw: redis.Redis) -> Iterator[Registry
 
 def _worker(worker_id: str, role: str = "decode", **fields) -> WorkerInfo:
     return WorkerInfo(worker_id=worker_id, role=role, address=f"127.0.0.1:{5000 + len(worker_id)}", **fields)
-
-
-def _wait_for(condition: Callable[[], bool], timeout_s: float) -> float:
-    """Poll until ``condition()`` holds; return the seconds it took, or fail the test after ``timeout_s``."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout_s:
-            pytest.fail(f"condition not met within {timeout_s} s")
-        time.sleep(0.02)
-    return time.monotonic() - start
 
 
 # ---- workers ---------------------------------------------------------------------------------------------------
@@ -101,7 +92,7 @@ def test_worker_without_heartbeat_disappears_after_ttl(redis_server: EmbeddedRed
     short.register(_worker("d0"))
     assert [w.worker_id for w in short.workers()] == ["d0"]
 
-    waited = _wait_for(lambda: short.workers() == [], timeout_s=2.0)
+    waited = wait_until(lambda: short.workers() == [], timeout_s=2.0)
     assert waited > 0.8  # it lived for its TTL, not less
     assert raw.smembers("kvserve:workers") == set()  # the reader pruned the dead id
     short.stop()
@@ -143,7 +134,7 @@ def test_lease_lifecycle_and_expiry(registry: Registry, raw: redis.Redis) -> Non
     with pytest.raises(ValueError, match="lease ends"):
         registry.end_lease("req-1", "p0", "pending")
 
-    _wait_for(lambda: registry.get_lease("req-1") is None, timeout_s=1.0)
+    wait_until(lambda: registry.get_lease("req-1") is None, timeout_s=1.0)
     assert not registry.end_lease("req-1", "p0", "failed")
     assert not raw.exists("kvserve:lease:req-1")  # the late update did not recreate a TTL-less hash
 
@@ -270,8 +261,8 @@ def test_paused_redis_answers_from_the_last_view_without_waiting_then_resyncs() 
 
         other = Registry(server.url, security=SECURITY)
         other.register(_worker("d1"))
-        _wait_for(lambda: [w.worker_id for w in reg.workers()] == ["d0", "d1", "p0"], timeout_s=7.0)
-        _wait_for(lambda: len(resyncs) == 1, timeout_s=1.0)  # writes made during the pause need republishing
+        wait_until(lambda: [w.worker_id for w in reg.workers()] == ["d0", "d1", "p0"], timeout_s=7.0)
+        wait_until(lambda: len(resyncs) == 1, timeout_s=1.0)  # writes made during the pause need republishing
         other.stop()
         reg.stop()
 
@@ -291,7 +282,7 @@ def test_killed_redis_restarted_empty_relearns_the_worker_and_resyncs(caplog: py
         reg.start_heartbeat(lambda: dict(load), interval_s=0.1, on_resync=resync)
         known = reg.workers()
         os.kill(server.pid, signal.SIGKILL)
-        _wait_for(lambda: not server.alive, timeout_s=2.0)
+        wait_until(lambda: not server.alive, timeout_s=2.0)
         load["free_blocks"] = 5
 
         with caplog.at_level(logging.WARNING, logger="kvstore"):
@@ -313,7 +304,7 @@ def test_killed_redis_restarted_empty_relearns_the_worker_and_resyncs(caplog: py
         assert resyncs == []
 
         server.restart()  # empty, on the same address
-        _wait_for(lambda: len(resyncs) == 1, timeout_s=7.0)
+        wait_until(lambda: len(resyncs) == 1, timeout_s=7.0)
         [relearned] = reg.workers()
         assert (relearned.fingerprint, relearned.free_blocks, relearned.total_blocks) == ("fp", 5, 8)
         assert reg.prefix_index.owners(["h0"]) == {"d0": 1}

@@ -10,11 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import grpc
 from router_utils import new_router
 from service_utils import InProcessServer
+from waiting import wait_until
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
@@ -56,15 +56,6 @@ time.sleep(3600)
 """
 
 
-def _wait(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 def test_streams_nobody_reads_are_cancelled_and_release_the_worker(model_dir):
     aio = AsyncioThread()
     decode = _EndlessDecode()
@@ -88,10 +79,10 @@ def test_streams_nobody_reads_are_cancelled_and_release_the_worker(model_dir):
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
             sockets.append(sock)
-        assert _wait(lambda: decode.open + decode.cancelled >= NUM_STREAMS + 10, 60), (decode.open, decode.cancelled)
-        assert _wait(lambda: decode.open == 0, 60), f"{decode.open} decode calls still open, {router._in_flight}"
+        wait_until(lambda: decode.open + decode.cancelled >= NUM_STREAMS + 10, 60, "every stream reaching decode")
+        wait_until(lambda: decode.open == 0, 60, "every decode call cancelled")
         assert metrics.STALLED_STREAMS._value.get() - stalled_before == NUM_STREAMS + 10
-        assert _wait(lambda: sum(router._in_flight.values()) == 0, 10), router._in_flight
+        wait_until(lambda: sum(router._in_flight.values()) == 0, 10, "the router's claims released")
     finally:
         client.kill()
         client.wait()

@@ -11,9 +11,9 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
+from waiting import wait_until
 
 from kvserve.cluster import Cluster
 from kvserve.processes import Child
@@ -63,13 +63,6 @@ def _free_address() -> str:
         return f"127.0.0.1:{probe.getsockname()[1]}"
 
 
-def _wait(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f} s"
-        time.sleep(0.05)
-
-
 class _Messages(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -106,7 +99,7 @@ def test_a_process_on_the_childs_port_that_answers_serving_is_not_taken_for_the_
     thread.start()
     try:
         # Each start of the real child fails to bind the port the impostor holds, and each death says why.
-        _wait(lambda: messages.count("restarting it in") >= 3, 60, "three deaths of the child")
+        wait_until(lambda: messages.count("restarting it in") >= 3, 60, "three deaths of the child")
         assert not child.answers(timeout_s=1.0)  # the impostor answers SERVING, but cannot prove it is the child
         assert messages.count("serves again") == 0, messages.lines
         assert supervisor.state("prefill-0") is not State.UP
@@ -116,7 +109,7 @@ def test_a_process_on_the_childs_port_that_answers_serving_is_not_taken_for_the_
         impostor.send_signal(signal.SIGTERM)
         impostor.wait(timeout=10)
         # Once the port is free the child's next start serves, and is counted as serving again.
-        _wait(lambda: messages.count("serves again") == 1, 60, "the child serving once the port is free")
+        wait_until(lambda: messages.count("serves again") == 1, 60, "the child serving once the port is free")
         assert supervisor.state("prefill-0") is State.UP and child.answers(timeout_s=1.0)
     finally:
         stop.set()
@@ -135,7 +128,7 @@ def test_a_child_answers_only_for_its_own_start(tmp_path):
     child.start()
     first = child.proc
     try:
-        _wait(lambda: child.answers(timeout_s=1.0), 60, "the child answering")
+        wait_until(lambda: child.answers(timeout_s=1.0), 60, "the child answering")
         child.start()  # a second start while the first process still holds the port: it cannot bind
         assert child.proc.wait(timeout=60) != 0
         assert first.poll() is None and not child.answers(timeout_s=1.0)

@@ -8,11 +8,11 @@ decode worker is up: a request that passed validation ends with UNAVAILABLE, one
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
 from service_utils import TEST_SECURITY, InProcessServer
+from waiting import wait_until
 
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
@@ -68,24 +68,17 @@ def _in_background(address: str, prompt, results: dict, timeout_s: float = 60) -
     return thread
 
 
-def _wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + 30
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def test_a_short_prompt_does_not_wait_behind_long_ones(door):
     """The probe 'ten 1 MiB prompts stall everyone': the validation thread takes the shortest waiting prompt
     first, so a short request waits at most for the one long prompt being tokenized."""
     address, tokenizer, router = door
     results: dict[int, grpc.StatusCode] = {}
     threads = [_in_background(address, "x" * 3000, results)]
-    _wait_for(tokenizer.entered.is_set, "the first long prompt to be tokenized")
+    wait_until(tokenizer.entered.is_set, 30, "the first long prompt to be tokenized")
     for n in (2000, 2500):
         threads.append(_in_background(address, "y" * n, results))
     threads.append(_in_background(address, "Hi", results))
-    _wait_for(lambda: router._validator.backlog == 3000 + 2000 + 2500 + 2, "all four to be queued")
+    wait_until(lambda: router._validator.backlog == 3000 + 2000 + 2500 + 2, 30, "all four to be queued")
     tokenizer.gate.set()
     for t in threads:
         t.join()
@@ -97,9 +90,9 @@ def test_a_full_backlog_is_resource_exhausted(door):
     address, tokenizer, router = door
     results: dict[int, grpc.StatusCode] = {}
     threads = [_in_background(address, "x" * 6000, results)]
-    _wait_for(tokenizer.entered.is_set, "the first prompt to be tokenized")
+    wait_until(tokenizer.entered.is_set, 30, "the first prompt to be tokenized")
     threads.append(_in_background(address, "y" * 3000, results))
-    _wait_for(lambda: router._validator.backlog == 9000, "the second prompt to be queued")
+    wait_until(lambda: router._validator.backlog == 9000, 30, "the second prompt to be queued")
     with Client(address, timeout_s=60) as client, pytest.raises(grpc.RpcError) as err:
         client.generate("z" * 1001, max_tokens=1)  # 9000 + 1001 > 10000
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -132,9 +125,9 @@ def test_a_request_whose_client_left_while_waiting_is_never_tokenized(door):
     address, tokenizer, router = door
     results: dict[int, grpc.StatusCode] = {}
     first = _in_background(address, "x" * 3000, results)
-    _wait_for(tokenizer.entered.is_set, "the first prompt to be tokenized")
+    wait_until(tokenizer.entered.is_set, 30, "the first prompt to be tokenized")
     assert _status(address, "y" * 500, timeout_s=0.5) == grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_for(lambda: router._validator.backlog == 3000, "the dropped request to leave the backlog")
+    wait_until(lambda: router._validator.backlog == 3000, 30, "the dropped request to leave the backlog")
     tokenizer.gate.set()
     first.join()
     assert tokenizer.encoded == [3000]
