@@ -28,6 +28,7 @@ from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc import lease, metrics
 from rpc.auth import Security
 from rpc.convert import sampling_to_proto
+from rpc.identity import Identity
 from rpc.loop import AsyncioThread
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class PrefillClient:
         self.fingerprint = fingerprint
         self.registry = registry
         self.workers: list[WorkerInfo] = []  # replaced whole by the refresher; read by the engine loop
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}  # by (address, worker id)
         self._refresher = aio.submit(self._refresh_forever()) if registry is not None else None
         # Leases are published for operators and for recovery, off the engine loop, in order (one thread).
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease-publisher")
@@ -85,12 +86,12 @@ class PrefillClient:
         req.tried.append(target.worker_id)
         # the blocks offered for reading hold our prefix cache's KV of these tokens: the lease names them
         lease.grant(self.security, req.request_id, dest, target.worker_id, timeout_s,
-                    req.tokens[: req.num_cached_tokens] if dest.cached_block_ids else ())  # fmt: skip
+                    req.tokens[: req.num_cached_tokens] if dest.cached_block_ids else (), req.num_cached_tokens)
         call = pb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.tokens,
                                  sampling=sampling_to_proto(req.params), destination=dest,
                                  num_cached_tokens=req.num_cached_tokens)  # fmt: skip
         req.prefill_sent_at = time.perf_counter()
-        req.future = self.aio.submit(self._call(target.address, call, timeout_s))
+        req.future = self.aio.submit(self._call(target, call, timeout_s))
         self.publish_lease(req, timeout_s)
 
     def publish_lease(self, req: ActiveRequest, ttl_s: float) -> None:
@@ -137,10 +138,12 @@ class PrefillClient:
         metrics.TRANSFER_BYTES.labels(req.backend).inc(len(written) * kv_cache.spec.bytes_per_block())
         return reply, None, True
 
-    async def _call(self, address: str, request: pb.PrefillRequest, timeout_s: float) -> pb.PrefillResponse:
-        if address not in self._channels:
-            self._channels[address] = self.security.aio_channel(address)
-        stub = pb_grpc.PrefillStub(self._channels[address])
+    async def _call(self, target: WorkerInfo, request: pb.PrefillRequest, timeout_s: float) -> pb.PrefillResponse:
+        # with cluster certificates, TLS lets the prompt go only to a server whose certificate names ``target``
+        key = (target.address, target.worker_id)
+        if key not in self._channels:
+            self._channels[key] = self.security.aio_channel(target.address, Identity("prefill", target.worker_id))
+        stub = pb_grpc.PrefillStub(self._channels[key])
         return await stub.Prefill(request, timeout=timeout_s, metadata=self.security.metadata(self.worker_id))
 
     async def _refresh_forever(self) -> None:

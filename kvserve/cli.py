@@ -39,13 +39,16 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _cluster_security(args: argparse.Namespace) -> tuple[Security, list[str]]:
-    """The launcher's credentials and the security flags every child gets. Without a token (environment or
-    file) a random one is made, so internal calls are authenticated unless ``--insecure-internal`` is given."""
+    """The launcher's credentials and the security flags for its children (``--tls-*`` reach the router only).
+    Without a token (environment or file) a random one is made, so internal calls are authenticated unless
+    ``--insecure-internal`` is given."""
     import os
     import secrets
 
     from rpc.auth import TOKEN_ENV, load_token, security_from_args
 
+    if args.cluster_certs:
+        raise ValueError("kvserve up makes its children's cluster certificates itself: drop --cluster-certs")
     if not args.insecure_internal and load_token(args.cluster_token_file) is None:
         os.environ[TOKEN_ENV] = secrets.token_urlsafe(32)  # reaches the children through their environment
     argv = ["--insecure-internal"] if args.insecure_internal else []
@@ -88,7 +91,7 @@ def _up(args: argparse.Namespace) -> None:
                                 drain_timeout_s=args.drain_timeout, log_dir=args.log_dir,
                                 router_argv=["--migrate-streams", str(args.migrate_streams).lower(),
                                              "--stream-idle-timeout", str(args.stream_idle_timeout)],
-                                api_key=args.api_key,
+                                api_key=args.api_key, internal_tls=args.internal_tls,
                                 redis_tcp=args.redis_tcp)  # fmt: skip
     except KeyboardInterrupt:
         print("kvserve: interrupted during start-up; everything stopped", flush=True)
@@ -128,6 +131,15 @@ def _describe_redis(cluster: Cluster) -> str:
         return redact(cluster.redis_url)
     tcp = f" and 127.0.0.1:{redis.port}" if redis.port else ""
     return f"embedded, {redis.unix_socket}{tcp}; password in {redis.data_dir / 'redis.conf'}"
+
+
+def _certs(args: argparse.Namespace) -> None:
+    """``kvserve certs``: see ``kvserve.certs``; the cluster token, when one is set, is the cluster secret."""
+    from kvserve.certs import make_cluster_dir
+    from rpc.auth import load_token
+
+    made = make_cluster_dir(Path(args.out), args.names, tuple(args.hosts), secret=load_token())
+    print("\n".join(map(str, made)) if made else f"kvserve: {args.out} holds every process named already")
 
 
 def _tls_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
@@ -226,9 +238,21 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--decode-gpu-memory-utilization", type=float, default=0.5,
                     help="the same for the decode workers; both roles share the one GPU, so the two add up to "
                          "at most 1")  # fmt: skip
+    up.add_argument("--internal-tls", type=boolean_flag, default=True,
+                    help="internal gRPC over mutual TLS with certificates of a cluster CA made at each start "
+                         "(true|false; false: the cluster token alone)")  # fmt: skip
     add_security_args(up)
     add_engine_args(up)
     up.set_defaults(func=_up)
+
+    certs = sub.add_parser("certs", help="make a cluster CA, and certificates and credentials for its processes "
+                                         "(containers: docker-compose.yml)")  # fmt: skip
+    certs.add_argument("--out", required=True, help="the directory to write (mode 0700; DIR/ca keeps the CA)")
+    certs.add_argument("--names", nargs="+", required=True, metavar="[ROLE:]NAME",
+                       help="the processes: router, decode-0, prefill-0, ... (a worker's id is its name)")
+    certs.add_argument("--hosts", nargs="*", default=[],
+                       help="host names or IPs every certificate names too (127.0.0.1 and localhost always do)")
+    certs.set_defaults(func=_certs)
 
     gen = sub.add_parser("generate", help="stream an answer from a running cluster")
     gen.add_argument("prompt")

@@ -4,8 +4,9 @@ Ports: the router listens on ``port`` (gRPC) and ``http_port`` (the OpenAI-compa
 worker *i* on ``port + 10 + i``, prefill worker *i* on ``port + 30 + i``. Every child gets, through its
 environment (never its command line, which ``ps`` shows):
 
-* ``KVSERVE_CLUSTER_TOKEN``: the cluster token (one is generated when none is given), unless the cluster
-  runs with ``--insecure-internal``;
+* ``KVSERVE_CLUSTER_TOKEN``: the child's credential, the keys of its role only (``rpc.keys``), derived from
+  the cluster token (one is generated when none is given), unless the cluster runs with
+  ``--insecure-internal``;
 * ``KVSERVE_SHM_DIR``: the cluster's own directory of shared-memory KV pools (``kvserve-<uid>-cluster-<port>``
   under /dev/shm, mode 0700), cleared of dead processes' pools at start and removed on a clean stop;
 * ``KVSERVE_INSTANCE_ID``: a secret of this start of this child, new at every restart, which its health
@@ -15,6 +16,13 @@ environment (never its command line, which ``ps`` shows):
 * ``KVSERVE_REDIS_URL``: the registry, password included (a ``--redis-url`` given to ``kvserve up`` goes
   the same way). Without one, the launcher starts an embedded Redis that only the cluster can use: a unix
   socket in the pool directory (mode 0700), no TCP port unless ``redis_tcp``, and a generated password.
+
+Internal gRPC runs over mutual TLS (unless ``internal_tls`` is false or the cluster is insecure): each start
+makes a cluster CA, whose key stays in the launcher's memory, and a certificate per child naming its role
+and name (``kvserve.certs``), in ``tls-<launcher pid>/<child>/`` of the pool directory (mode 0700, removed on
+a clean stop), passed with ``--cluster-certs``. The launcher checks its children's health with a certificate
+of its own (role ``launcher``, which may call no internal service). The router's public port stays as the
+user asked: plain, or ``--tls-*`` (which only the router gets).
 
 The launcher holds its pool directory and its Redis's scratch directory while it lives (``kvserve.scratch``),
 and every start removes the ones of this user's clusters whose launcher died (SIGKILL skips the clean stop).
@@ -32,6 +40,7 @@ import logging
 import os
 import random
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -41,6 +50,7 @@ from pathlib import Path
 
 from decode_service.prefill_client import REFRESH_S
 from engine.bundled import resolve_model
+from kvserve.cluster_tls import ClusterCredentials, public_security, split_public_tls
 from kvserve.processes import Child, RedisChild
 from kvserve.redis_server import EmbeddedRedis
 from kvserve.scratch import HeldDir, cluster_shm_dir, hold_dir, remove_dead_clusters, remove_if_abandoned
@@ -68,6 +78,7 @@ class Cluster:
     redis: EmbeddedRedis | None = None
     http_endpoint: str | None = None  # the router's OpenAI-compatible API, "http(s)://HOST:PORT"
     shm_hold: HeldDir | None = None  # our hold on ``shm_dir`` (see kvserve.scratch)
+    tls_dir: Path | None = None  # the children's cluster certificates (in ``shm_dir``)
 
     def child(self, name: str) -> Child:
         [found] = [c for c in self.children if c.name == name]
@@ -96,6 +107,8 @@ class Cluster:
             self.redis.stop()
             self.redis = None
         remove_stale_pools(self.shm_dir)  # ours are dead now
+        if self.tls_dir is not None:
+            shutil.rmtree(self.tls_dir, ignore_errors=True)
         if self.shm_hold is not None:
             self.shm_hold.release()
         remove_if_abandoned(self.shm_dir)
@@ -145,12 +158,10 @@ def gpu_memory_shares(prefill: float, decode: float, num_prefill: int, num_decod
     return {"prefill": prefill / max(1, num_prefill), "decode": decode / max(1, num_decode)}
 
 
-def _child_env(shm_dir: Path, security: Security, redis_url: str) -> dict[str, str]:
+def _child_env(shm_dir: Path, redis_url: str) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", SHM_DIR_ENV: str(shm_dir), REDIS_URL_ENV: redis_url}
     env.pop(TOKEN_FILE_ENV, None)
     env.pop(TOKEN_ENV, None)
-    if security.token is not None:
-        env[TOKEN_ENV] = security.token
     return env
 
 
@@ -167,6 +178,7 @@ def start_cluster(
     prefill_argv: list[str] | None = None,
     router_argv: list[str] | None = None,
     redis_tcp: bool = False,
+    internal_tls: bool = True,
     prefill_gpu_memory_utilization: float = 0.35,
     decode_gpu_memory_utilization: float = 0.5,
     security: Security | None = None,
@@ -179,12 +191,14 @@ def start_cluster(
 ) -> Cluster:
     """Start the cluster and wait until every process answers its health check.
 
-    ``security`` is the launcher's own (a fresh random token when ``None``); its token reaches the children
-    through their environment, and ``security_argv`` (``--insecure-internal``, ``--tls-*``) is passed to
-    every child as it is. ``*_gpu_memory_utilization``: see ``gpu_memory_shares`` (the defaults leave 15%
-    of the GPU to other processes). ``redis_tcp``: the embedded Redis also listens on a free TCP port of
-    127.0.0.1 (``Cluster.redis.port``), with the same password. ``api_key``: the key the router's clients must
-send, handed to the router in its environment. Raises ``ValueError`` for shares that do not
+    ``security`` is the launcher's own (a fresh random token when ``None``); each child gets a credential of
+    its role derived from its token, through its environment. ``security_argv`` is passed to every child as
+    it is (``--insecure-internal``), but ``--tls-*``, which serve the router's public port, to the router
+    only. ``internal_tls``: internal gRPC over mutual TLS with certificates of a new cluster CA (see the
+    module docstring); false: the token-only mode. ``*_gpu_memory_utilization``: see ``gpu_memory_shares``
+    (the defaults leave 15% of the GPU to other processes). ``redis_tcp``: the embedded Redis also listens on
+    a free TCP port of 127.0.0.1 (``Cluster.redis.port``), with the same password. ``api_key``: the key the
+    router's clients must send, handed to the router in its environment. Raises ``ValueError`` for shares that do not
     fit, before starting anything, and ``RuntimeError`` (after stopping what started) when a process exits
     or does not answer within ``startup_timeout_s``.
     """
@@ -194,7 +208,7 @@ send, handed to the router in its environment. Raises ``ValueError`` for shares 
     model = _flag_value(engine_argv, "--model", "default")
     resolve_model(model)  # convert the bundled model once, before the workers race for it
     security = security or Security(token=secrets.token_urlsafe(32))
-    security_argv = security_argv or []
+    shared_argv, public_argv = split_public_tls(security_argv or [])
     decode_ports = [port + 10 + i for i in range(num_decode)]
     prefill_ports = [port + 30 + i for i in range(num_prefill)]
     metrics_offset = 1000  # a worker's /metrics port: its gRPC port + 1000
@@ -206,6 +220,7 @@ send, handed to the router in its environment. Raises ``ValueError`` for shares 
     shm_dir = shm_hold.path
     remove_stale_pools(shm_dir)
     try:
+        creds = ClusterCredentials(security, shm_dir / f"tls-{os.getpid()}", host, internal_tls)
         embedded = None if redis_url is not None else EmbeddedRedis(
             port=None if redis_tcp else 0, password=secrets.token_urlsafe(32),
             unix_socket=shm_dir / f"redis-{os.getpid()}.sock",  # our launcher's: another cluster may share shm_dir
@@ -215,13 +230,13 @@ send, handed to the router in its environment. Raises ``ValueError`` for shares 
         remove_if_abandoned(shm_dir)
         raise
     url = embedded.url if embedded is not None else redis_url
-    cluster = Cluster(endpoint=f"{host}:{port}", redis_url=url, shm_dir=shm_dir, security=security,
+    cluster = Cluster(endpoint=f"{host}:{port}", redis_url=url, shm_dir=shm_dir, security=creds.launcher,
                       stop_timeout_s=drain_timeout_s + 5.0, redis=embedded,
-                      http_endpoint=f"{'https' if '--tls-cert' in security_argv else 'http'}://{host}:{http_port}"
-                      if http_port else None, shm_hold=shm_hold)  # fmt: skip
-    env = _child_env(shm_dir, security, url)
+                      http_endpoint=f"{'https' if public_argv else 'http'}://{host}:{http_port}"
+                      if http_port else None, shm_hold=shm_hold, tls_dir=creds.tls_dir)  # fmt: skip
+    env = _child_env(shm_dir, url)
     worker_argv = ["--threads", str(threads_per_worker(num_prefill + num_decode, threads)),
-                   "--drain-timeout", str(drain_timeout_s), *security_argv, *engine_argv]  # fmt: skip
+                   "--drain-timeout", str(drain_timeout_s), *shared_argv, *engine_argv]  # fmt: skip
     role_argv = {role: [*worker_argv, "--gpu-memory-utilization", str(shares[role]), *(extra or [])]
                  for role, extra in (("decode", decode_argv), ("prefill", prefill_argv))}  # fmt: skip
     specs = [(f"decode-{i}", "decode", p, role_argv["decode"]) for i, p in enumerate(decode_ports)]
@@ -230,18 +245,18 @@ send, handed to the router in its environment. Raises ``ValueError`` for shares 
         for name, role, child_port, extra in specs:
             metrics_port = child_port + metrics_offset
             argv = [sys.executable, "-m", f"{role}_service", "--host", host, "--port", str(child_port),
-                    "--worker-id", name, "--metrics-port", str(metrics_port), *extra]  # fmt: skip
-            cluster.children.append(_child(name, role, f"{host}:{child_port}", argv, env, security, log_dir,
-                                           f"http://{host}:{metrics_port}/metrics"))  # fmt: skip
+                    "--worker-id", name, "--metrics-port", str(metrics_port), *creds.argv(role, name), *extra]
+            cluster.children.append(_child(name, role, f"{host}:{child_port}", argv, creds.env(role, env),
+                                           creds.launcher, log_dir, f"http://{host}:{metrics_port}/metrics"))
         router_cmd = [sys.executable, "-m", "router", "--host", host, "--port", str(port),
                       "--http-port", str(http_port), "--model", model, "--drain-timeout", str(drain_timeout_s),
-                      *security_argv, *(router_argv or [])]  # fmt: skip
+                      *shared_argv, *public_argv, *creds.argv("router", "router"), *(router_argv or [])]
         if "--skip-tokenizer-init" in engine_argv:  # a model without a tokenizer: token-id prompts only
             router_cmd += ["--skip-tokenizer-init", _flag_value(engine_argv, "--skip-tokenizer-init", "false")]
         router_metrics = f"{cluster.http_endpoint}/metrics" if cluster.http_endpoint else "-"
-        router_env = {**env, API_KEY_ENV: api_key} if api_key else env
-        cluster.children.append(_child("router", "router", cluster.endpoint, router_cmd, router_env, security,
-                                       log_dir, router_metrics))  # fmt: skip
+        router_env = creds.env("router", {**env, API_KEY_ENV: api_key} if api_key else env)
+        cluster.children.append(_child("router", "router", cluster.endpoint, router_cmd, router_env,
+                                       public_security(public_argv), log_dir, router_metrics))  # fmt: skip
         deadline = time.monotonic() + startup_timeout_s
         for child in cluster.children:
             while not child.answers(timeout_s=1.0):
@@ -249,7 +264,7 @@ send, handed to the router in its environment. Raises ``ValueError`` for shares 
                     raise RuntimeError(f"{child.role} {child.name} {status} during start-up")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{child.name} did not become healthy within {startup_timeout_s:.0f} s")
-        _wait_registered(url, security, {name for name, *_ in specs}, deadline)
+        _wait_registered(url, creds.launcher, {name for name, *_ in specs}, deadline)
         return cluster
     except BaseException:
         cluster.stop()

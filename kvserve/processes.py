@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.supervisor import describe_exit
 from rpc.auth import Security
+from rpc.identity import Identity
 from rpc.server import INSTANCE_ENV, wait_healthy
 
 if TYPE_CHECKING:
@@ -55,7 +56,8 @@ class Child:
 
     Every start gets a new secret instance id in its environment (``INSTANCE_ENV``), and ``answers`` accepts
     only a health answer that proves it (``rpc.server``): another process on the child's port is never
-    taken for the child."""
+    taken for the child. With cluster certificates (``security.identity``) the check's TLS also accepts only
+    a server whose certificate names this child."""
 
     def __init__(self, name: str, role: str, address: str, argv: list[str], env: dict[str, str],
                  security: Security, log_path: Path | None, metrics_url: str = "-") -> None:  # fmt: skip
@@ -63,6 +65,7 @@ class Child:
         self._argv, self._env, self._security, self._log_path = argv, env, security, log_path
         self.proc: subprocess.Popen | None = None
         self._instance_id: str | None = None
+        self._peer = Identity(role, name) if security.identity is not None else None
 
     @property
     def pid(self) -> int | None:
@@ -87,7 +90,7 @@ class Child:
 
     def answers(self, timeout_s: float = HEALTH_PROBE_S) -> bool:
         return self._instance_id is not None and wait_healthy(self.address, timeout_s, self._security,
-                                                              self._instance_id)  # fmt: skip
+                                                              self._instance_id, self._peer)  # fmt: skip
 
     def port_taken(self) -> bool:
         host, port = self.address.rsplit(":", 1)

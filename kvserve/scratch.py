@@ -12,9 +12,9 @@ clusters on one port (on different host addresses) share one pool directory.
 
 ``remove_dead_clusters``, which every ``kvserve up`` runs at its start, removes every such directory of this
 user that nobody holds, taking an exclusive lock on it first (no owner can hold it meanwhile, and one that
-was about to finds it gone and makes it again: see ``hold_dir``). A directory nobody holds is still kept
-while it names a live process (a ``server.pid`` file, or a pool file ``kvserve-<worker>-<pid>``): that is
-a cluster of an older kvserve, which held nothing.
+was about to finds it gone and makes it again: see ``kvstore.private_dir.hold_dir``). A directory nobody
+holds is still kept while it names a live process (a ``server.pid`` file, or a pool file
+``kvserve-<worker>-<pid>``): that is a cluster of an older kvserve, which held nothing.
 """
 
 from __future__ import annotations
@@ -26,45 +26,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from kvstore.private_dir import HeldDir, hold_dir, is_still, open_own_dir
 from kvstore.transfer import SHM_ROOT, pool_file_pid
 
 REDIS_DIR_PREFIX = "kvserve-redis-"
 PID_FILE = "server.pid"  # the pid of the process a scratch directory serves (the embedded Redis's)
-_HOLD_ATTEMPTS = 10
-
-
-class HeldDir:
-    """A directory this process holds (a shared ``flock`` on it) until ``release`` or its exit."""
-
-    def __init__(self, path: Path, fd: int) -> None:
-        self.path, self._fd = path, fd
-
-    def release(self) -> None:
-        """Stop holding the directory (it stays); safe to call more than once."""
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-
-def hold_dir(path: Path) -> HeldDir:
-    """Create ``path`` (mode 0700) unless it exists, and hold it. Raises ``RuntimeError`` when it is not a
-    directory of this user (someone planted a file, a link or a directory of their own there)."""
-    for _ in range(_HOLD_ATTEMPTS):
-        with contextlib.suppress(FileExistsError):
-            path.mkdir(mode=0o700)
-        fd = _open_own_dir(path)
-        if fd is None:
-            raise RuntimeError(f"{path} is not a directory owned by this user; remove it")
-        try:
-            os.fchmod(fd, 0o700)
-            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a clean-up that found it abandoned removes it
-        except BaseException:
-            os.close(fd)
-            raise
-        if _is_still(path, fd):
-            return HeldDir(path, fd)
-        os.close(fd)  # a clean-up removed it between our mkdir and our lock: make it again
-    raise RuntimeError(f"{path} was removed {_HOLD_ATTEMPTS} times while we tried to hold it")
 
 
 def cluster_shm_dir(port: int) -> Path:
@@ -88,7 +54,7 @@ def remove_dead_clusters() -> list[Path]:
 def remove_if_abandoned(path: Path) -> bool:
     """Remove the directory ``path`` with everything in it when it is this user's, nobody holds it and it
     names no live process; returns whether it did."""
-    fd = _open_own_dir(path)
+    fd = open_own_dir(path)
     if fd is None:
         return False
     try:
@@ -96,7 +62,7 @@ def remove_if_abandoned(path: Path) -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False  # held by a live owner
-        if not _is_still(path, fd) or _names_live_process(path):
+        if not is_still(path, fd) or _names_live_process(path):
             return False
         shutil.rmtree(path, ignore_errors=True)
         return True
@@ -117,27 +83,6 @@ def process_alive(pid: int) -> bool:
 
 def _shm_root() -> Path:
     return SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())
-
-
-def _open_own_dir(path: Path) -> int | None:
-    """An open descriptor of ``path`` when it is a directory (not a link to one) owned by this user."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    if os.fstat(fd).st_uid != os.getuid():
-        os.close(fd)
-        return None
-    return fd
-
-
-def _is_still(path: Path, fd: int) -> bool:
-    """Whether ``path`` still names the directory open as ``fd`` (not removed, nor replaced, since)."""
-    try:
-        now, opened = os.lstat(path), os.fstat(fd)
-    except OSError:
-        return False
-    return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def _names_live_process(path: Path) -> bool:

@@ -13,7 +13,7 @@ Life of a worker here: ``register(info)`` writes its hash and adds it to the set
 its load and TTL every ``ttl_s / 3``; ``stop()`` ends the thread and deregisters. A worker that dies without
 ``stop()`` vanishes from ``workers()`` within ``ttl_s``.
 
-Trust: worker hashes (their load apart) and leases are signed with the cluster token (see kvstore/workers.py)
+Trust: worker hashes (their load apart) and leases are signed, under keys per purpose (kvstore/workers.py)
 and readers drop records that do not verify, so a process that can write to Redis but lacks the token can
 neither pose as a worker (and receive prompts) nor grant itself KV blocks. A worker's load, rewritten by every
 heartbeat, is signed on its own; a reader ignores a load that does not verify (kvstore/worker_reader.py).

@@ -30,6 +30,7 @@ import torch
 import xxhash
 
 from kvstore.kv_cache import KVCache, KVCacheSpec
+from kvstore.private_dir import private_dir
 
 SHM_ROOT = Path("/dev/shm")
 SHM_DIR_ENV = "KVSERVE_SHM_DIR"  # the cluster's directory of pool files; ``kvserve up`` sets one per cluster
@@ -58,14 +59,15 @@ def choose_backend(src_host: str, dst_host: str, dst_device: str, dst_has_shm: b
 
 
 def pool_dir() -> Path:
-    """This process's directory of shared-memory pool files (created mode 0700): ``$KVSERVE_SHM_DIR``, else
-    ``kvserve-<uid>`` under /dev/shm (or $TMPDIR where there is no /dev/shm). A prefill worker maps only
-    pool files inside its own ``pool_dir()``: the cluster's directory."""
+    """This process's directory of shared-memory pool files: ``$KVSERVE_SHM_DIR``, else ``kvserve-<uid>`` under
+    /dev/shm (or $TMPDIR where there is no /dev/shm). A prefill worker maps only pool files inside its own
+    ``pool_dir()``: the cluster's directory. It is created mode 0700, and one that another user made first
+    (or a link) is refused with ``RuntimeError`` (``kvstore.private_dir``)."""
     configured = os.environ.get(SHM_DIR_ENV)
     root = SHM_ROOT if SHM_ROOT.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
     directory = Path(configured) if configured else root / f"kvserve-{os.getuid()}"
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    return private_dir(directory)
 
 
 def pool_file_name(worker_id: str, pid: int) -> str:

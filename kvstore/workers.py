@@ -1,10 +1,13 @@
 """What the registry stores about the cluster: workers (``WorkerInfo``) and in-flight KV transfers (``Lease``).
 
 Plain records with their Redis hash encoding; ``kvstore.registry.Registry`` reads and writes them. The
-encoding is signed: ``to_redis`` adds an HMAC keyed by the cluster token (``rpc.auth.Security.sign``) over
-the fields that say who may do what, and ``from_redis`` refuses a hash whose signature does not verify. A
-worker's load, which steers routing too, carries a signature of its own (``load_to_redis``), so that each
-heartbeat can rewrite it alone; ``verified_load`` reads it back only when that signature verifies.
+encoding is signed: ``to_redis`` adds an HMAC (``rpc.auth.Security.sign``) over the fields that say who may
+do what, and ``from_redis`` refuses a hash whose signature does not verify. A worker's load, which steers
+routing too, carries a signature of its own (``load_to_redis``), so that each heartbeat can rewrite it
+alone; ``verified_load`` reads it back only when that signature verifies. Each kind of record is signed for
+its own purpose (``worker``, ``worker-load``, ``lease-record``, ``lease-end``), so none verifies as another:
+worker records under the registry key, which every member holds, leases under the lease key, which only
+decode and prefill workers hold (``rpc.keys``).
 """
 
 from __future__ import annotations
@@ -140,13 +143,13 @@ class Lease:
     def to_redis(self, security: Security) -> dict[str, str]:
         fields = {"decode_id": self.decode_id, "prefill_id": self.prefill_id,
                   "block_ids": json.dumps([int(b) for b in self.block_ids]), "state": self.state}  # fmt: skip
-        fields["signature"] = security.sign("lease", self.request_id, *_lease_parts(fields))
+        fields["signature"] = security.sign("lease-record", self.request_id, *_lease_parts(fields))
         return fields
 
     @classmethod
     def from_redis(cls, request_id: str, fields: Mapping[str, str], security: Security) -> Lease:
         """Inverse of ``to_redis``; raises ``KeyError`` or ``ValueError`` on a malformed or unverified hash."""
-        if not security.verify(fields.get("signature", ""), "lease", request_id, *_lease_parts(fields)):
+        if not security.verify(fields.get("signature", ""), "lease-record", request_id, *_lease_parts(fields)):
             raise ValueError(f"lease {request_id!r} does not verify")
         state = fields["state"]
         if state != "pending" and not security.verify(fields.get("state_signature", ""),

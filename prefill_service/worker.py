@@ -4,7 +4,8 @@
    fingerprint and its lease (signed by the decode worker for this request, this
    prefill worker and these blocks: ``rpc.lease``), opens the destination pool
    once per decode worker (``shm``: map its file, only inside this cluster's pool
-   directory) and queues a job for the batcher, then awaits it.
+   directory; closed once that worker is gone: ``destinations``) and queues a
+   job for the batcher, then awaits it.
 2. The batcher (``self.loop``: the process's main thread) gathers jobs until
    ``max_batch_tokens`` prompt tokens are waiting or ``max_wait_ms`` has passed
    since the first one, adds them all to its engine with ``max_tokens=1`` and
@@ -48,6 +49,7 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc import lease, metrics
 from rpc.auth import Security
+from rpc.identity import peer_identity
 from rpc.loop import Loop
 from rpc.validation import validate_sampling
 
@@ -75,6 +77,8 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         self.num_expired = 0  # jobs failed because their lease ran out before they were done
         self._drain_deadline: float | None = None
         self.loop = Loop(self._batch_once, "prefill-batcher")  # the process's main thread runs it (see Loop)
+        self.loop.add_hook(self.destinations.close_gone_pools)
+        self.nonces = lease.NonceBook()  # the leases we accepted: each is accepted once
 
     # -- gRPC (event loop) ----------------------------------------------------------------------------
 
@@ -87,7 +91,11 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                                 f"KV layout fingerprint {dest.fingerprint!r} differs from this prefill worker's "
                                 f"{self.fingerprint!r}: the workers run different models, dtypes or "
                                 "block sizes")  # fmt: skip
-        refusal = lease.refusal(self.security, request.request_id, dest, self.worker_id, pool_dir())
+        try:
+            refusal = lease.request_refusal(self.security, request, peer_identity(context), self.worker_id,
+                                            pool_dir(), self.nonces)  # fmt: skip
+        except RuntimeError as err:  # our pool directory is not private to us: map nothing there
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         if refusal:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         try:

@@ -4,7 +4,9 @@ Serves ``kvserve.v1.Inference``, health checking and reflection on one port, and
 API (``router.openai_api``) on ``--http-port`` (0: none), both on one event loop and both with TLS when
 ``--tls-cert`` is given, and both behind the front door (``router.limits``: API key, request size,
 concurrency). Prometheus ``/metrics`` is on the HTTP port, or on ``--metrics-port`` when given. The router
-calls the decode workers' internal service, so it needs the cluster token like every member.
+calls the decode workers' internal service as a member of role ``router`` (``rpc.auth``): with its cluster
+certificate (``--cluster-certs``) over mutual TLS, else with its credential's call token; ``--tls-*`` serve
+its public port only (and its calls too, without ``--cluster-certs``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from router.limits import FrontDoor, PublicInference, add_front_door_args, front
 from router.routing import RoutingWeights
 from router.server import Router
 from router.validation_queue import DEFAULT_MAX_BACKLOG
-from rpc.auth import Security, add_security_args, security_from_args
+from rpc.auth import Security, add_security_args, security_from_args, tls_files
 from rpc.flags import add_redis_url_arg, boolean_flag
 from rpc.metrics import start_metrics_server
 from rpc.server import add_service, new_server, set_not_serving, start_server
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     args, _ = parser.parse_known_args(argv)  # engine flags meant for workers are accepted and ignored
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     try:
-        security = security_from_args(args)
+        security = security_from_args(args, "router")
+        public = Security(None, **tls_files(args))
         door = front_door_from_args(args)
     except ValueError as err:
         parser.error(str(err))
@@ -104,19 +107,20 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"cannot listen on {args.host}:{args.metrics_port} for /metrics: {err.strerror}")
         log.info("serving Prometheus /metrics on %s:%d", args.host, args.metrics_port)
     try:
-        asyncio.run(serve(router, f"{args.host}:{args.port}", security, args.drain_timeout, http, door))
+        asyncio.run(serve(router, f"{args.host}:{args.port}", public, args.drain_timeout, http, door))
     finally:
         if registry is not None:
             registry.stop()
 
 
-async def serve(router: Router, address: str, security: Security, drain_timeout_s: float,
+async def serve(router: Router, address: str, public: Security, drain_timeout_s: float,
                 http: HttpServer | None = None, door: FrontDoor | None = None) -> None:  # fmt: skip
-    """Serve until SIGTERM or SIGINT, then stop taking calls and let open streams finish for a while."""
+    """Serve until SIGTERM or SIGINT, then stop taking calls and let open streams finish for a while. ``public``:
+    the TLS files of the public port (no token: the public service has none)."""
     door = door or FrontDoor()
-    server = new_server(security, max_receive_bytes=door.max_request_bytes)
+    server = new_server(public, max_receive_bytes=door.max_request_bytes)
     names = [add_service(server, "Inference", PublicInference(router, door))]
-    _, health = await start_server(server, names, address, security)
+    _, health = await start_server(server, names, address, public)
     log.info("serving kvserve.v1.Inference on %s", address)
     if http is not None:
         await http.start()

@@ -47,8 +47,8 @@ class WorkerHealth:
     * concurrent requests share one check per worker, and a cancelled request does not cancel it.
     """
 
-    def __init__(self, channel: Callable[[str], grpc.aio.Channel], bench_s: float = 1.0, probe_timeout_s: float = 2.0,
-                 recheck_s: float = 2.0) -> None:  # fmt: skip
+    def __init__(self, channel: Callable[[WorkerInfo], grpc.aio.Channel], bench_s: float = 1.0,
+                 probe_timeout_s: float = 2.0, recheck_s: float = 2.0) -> None:  # fmt: skip
         self._channel = channel
         self.bench_s = bench_s
         self.probe_timeout_s = probe_timeout_s
@@ -97,7 +97,7 @@ class WorkerHealth:
         await asyncio.shield(probe)
 
     async def _probe(self, worker: WorkerInfo, service: str) -> None:
-        stub = health_pb2_grpc.HealthStub(self._channel(worker.address))
+        stub = health_pb2_grpc.HealthStub(self._channel(worker))
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.probe_timeout_s)
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

@@ -48,6 +48,7 @@ from router.validation_queue import DEFAULT_MAX_BACKLOG, ValidationBusy, Validat
 from rpc import metrics
 from rpc.auth import Security
 from rpc.convert import sampling_to_proto
+from rpc.identity import Identity
 from rpc.streams import cancel_when_stalled
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ class Router(pb_grpc.InferenceServicer):
             for worker in targets:
                 with self._claim(worker.worker_id):
                     relayed.resume(call_request)
-                    call = pb_grpc.DecodeStub(self._channel(worker.address)).Generate(
+                    call = pb_grpc.DecodeStub(self._channel(worker)).Generate(
                         call_request, timeout=timeout_s, metadata=self.security.metadata()
                     )
                     try:
@@ -233,10 +234,14 @@ class Router(pb_grpc.InferenceServicer):
         """Count a call to ``worker_id`` as in flight until the slot is released (``with`` releases it)."""
         return _Slot(self._in_flight, worker_id)
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = self.security.aio_channel(address)
-        return self._channels[address]
+    def _channel(self, worker: WorkerInfo) -> grpc.aio.Channel:
+        """The channel to ``worker``; with cluster certificates TLS accepts only a server whose certificate names
+        it (a static ``--decode-address`` names no worker: any decode worker of the cluster CA then)."""
+        name = "" if worker.worker_id == worker.address else worker.worker_id
+        key = f"{worker.address} {name}"
+        if key not in self._channels:
+            self._channels[key] = self.security.aio_channel(worker.address, Identity(worker.role, name))
+        return self._channels[key]
 
 
 def _remaining(context: grpc.aio.ServicerContext) -> float | None:

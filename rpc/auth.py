@@ -1,38 +1,47 @@
-"""Who may call whom: the cluster token, optional (m)TLS, and signatures on what workers publish.
+"""Who may call whom: cluster certificates (mutual TLS), keys per purpose, and the token-only fallback.
 
 Trust model:
 
-* The internal services (``Decode``, ``Prefill``, ``KVTransfer``) serve cluster members only. A member
-  proves it with the shared cluster token, sent as call metadata (``x-kvserve-token``) and checked by
-  one server interceptor (``TokenInterceptor``) in constant time. Health and reflection stay open, and
-  so does the router's public ``Inference`` service.
-* The token comes from ``KVSERVE_CLUSTER_TOKEN`` or a file (``--cluster-token-file`` /
-  ``KVSERVE_CLUSTER_TOKEN_FILE``), never from a command line ``ps`` would show. Without one a service
-  refuses to start unless ``--insecure-internal`` says so explicitly (and then it logs a warning).
-* Optional TLS on every port with ``--tls-cert/--tls-key``; with ``--tls-ca`` too, peers must present a
-  certificate signed by that CA (mutual TLS) and clients verify servers against it.
+* The internal services (``Decode``, ``Prefill``, ``KVTransfer``) serve cluster members only, each the
+  members of one role (``rpc.interceptor``): Decode the router, Prefill decode workers, KVTransfer prefill
+  workers. Health and reflection stay open, and so does the router's public ``Inference`` service.
+* With cluster certificates (``--cluster-certs DIR``: ``kvserve up`` makes them for its children,
+  ``kvserve certs`` for containers), internal gRPC runs over mutual TLS: a server admits only callers with a
+  certificate of the cluster CA, whose role it reads from the certificate, and a client verifies that the
+  server's certificate names the member it meant to reach (``rpc.identity``), so a process that binds a
+  dead worker's port gets no byte of a call. No token goes on the wire then.
+* The keys come from the cluster token: ``KVSERVE_CLUSTER_TOKEN`` or a file (``--cluster-token-file`` /
+  ``KVSERVE_CLUSTER_TOKEN_FILE``), never from a command line ``ps`` would show. It is the cluster secret,
+  from which every key derives, or a credential holding one role's keys only (``rpc.keys``: the router's
+  cannot sign a lease). Without certificates, a caller sends its role's call token instead (token-only
+  mode). Without a token a process refuses to start unless ``--insecure-internal`` says so explicitly
+  (and then it logs a warning).
+* ``--tls-cert/--tls-key[/--tls-ca]`` serve the router's public port with (m)TLS; on a process without
+  ``--cluster-certs`` they serve its internal port too (plain (m)TLS: no roles, token-only checks on top).
 * Records that workers publish through Redis (worker entries, leases) and the lease a decode worker
-  hands a prefill worker carry an HMAC keyed by the token (``sign``/``verify``), so a process that can
-  write to Redis but does not hold the token cannot pose as a worker or grant itself KV blocks.
+  hands a prefill worker carry an HMAC under their purpose's key (``sign``/``verify``), so a process that
+  can write to Redis but does not hold the key cannot pose as a worker or grant itself KV blocks.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import hmac
 import logging
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import grpc
 
+from rpc.identity import Identity, read_member_dir
+from rpc.interceptor import CALLER_METADATA, ROLE_METADATA, TOKEN_METADATA, CallerInterceptor
+from rpc.keys import MEMBER, Keyring
+
+__all__ = ["CALLER_METADATA", "TOKEN_METADATA", "Security", "add_security_args", "load_token", "security_from_args"]
+
 TOKEN_ENV = "KVSERVE_CLUSTER_TOKEN"
 TOKEN_FILE_ENV = "KVSERVE_CLUSTER_TOKEN_FILE"
-TOKEN_METADATA = "x-kvserve-token"
-CALLER_METADATA = "x-kvserve-worker"  # the calling worker's id (checked against leases, never trusted alone)
-INTERNAL_SERVICES = ("kvserve.v1.Decode", "kvserve.v1.Prefill", "kvserve.v1.KVTransfer")
 MAX_MESSAGE_BYTES = 64 << 20
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -49,12 +58,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Security:
-    """A process's credentials: the cluster token (``None`` only with ``--insecure-internal``) and TLS files."""
+    """A process's credentials: the cluster token (``None`` only with ``--insecure-internal``) and the TLS files
+    of its internal port; ``identity`` is whom ``tls_cert`` names when it is a cluster certificate (then calls
+    are authorized by the certificates' roles, and clients verify whom they reach)."""
 
     token: str | None
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
     tls_ca: bytes | None = None
+    identity: Identity | None = None
+
+    def __repr__(self) -> str:  # never the token or the private key: a repr ends up in logs and tracebacks
+        token = None if self.token is None else "<hidden>"
+        return f"Security(token={token}, tls={self.tls}, mutual_tls={self.tls_ca is not None})"
 
     @classmethod
     def insecure(cls) -> Security:
@@ -64,26 +80,43 @@ class Security:
     def tls(self) -> bool:
         return self.tls_cert is not None
 
+    @cached_property
+    def keyring(self) -> Keyring:
+        """The keys the token holds (``rpc.keys``); ``ValueError`` for a credential that does not parse."""
+        return Keyring.from_token(self.token)
+
+    def credential(self, role: str) -> str:
+        """A token holding ``role``'s keys only, for a process of that role (the cluster secret's holder only)."""
+        return self.keyring.credential(role)
+
     # -- calls ------------------------------------------------------------------------------------------
 
     def metadata(self, caller: str = "") -> tuple[tuple[str, str], ...]:
-        """Call metadata for an internal call made by worker ``caller``."""
+        """Call metadata for an internal call made by worker ``caller``: with cluster certificates nothing
+        secret (the certificate speaks for us), else our role's call token."""
         items = []
-        if self.token is not None:
-            items.append((TOKEN_METADATA, self.token))
+        if self.identity is None and self.token is not None:
+            items += [(TOKEN_METADATA, self.keyring.call_token), (ROLE_METADATA, self.keyring.role)]
         if caller:
             items.append((CALLER_METADATA, caller))
         return tuple(items)
 
-    def aio_channel(self, address: str) -> grpc.aio.Channel:
+    def aio_channel(self, address: str, peer: Identity | None = None) -> grpc.aio.Channel:
+        """A channel to ``address``; with cluster certificates and ``peer``, TLS accepts only a server whose
+        certificate names ``peer`` (else one of the cluster CA that names the address)."""
         if self.tls:
-            return grpc.aio.secure_channel(address, self._channel_credentials(), options=GRPC_OPTIONS)
+            return grpc.aio.secure_channel(address, self._channel_credentials(), options=self._options(peer))
         return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
 
-    def channel(self, address: str) -> grpc.Channel:
+    def channel(self, address: str, peer: Identity | None = None) -> grpc.Channel:
         if self.tls:
-            return grpc.secure_channel(address, self._channel_credentials(), options=GRPC_OPTIONS)
+            return grpc.secure_channel(address, self._channel_credentials(), options=self._options(peer))
         return grpc.insecure_channel(address, options=GRPC_OPTIONS)
+
+    def _options(self, peer: Identity | None) -> list[tuple[str, object]]:
+        if self.identity is None or peer is None:
+            return GRPC_OPTIONS
+        return [*GRPC_OPTIONS, ("grpc.ssl_target_name_override", peer.dns_name)]
 
     def _channel_credentials(self) -> grpc.ChannelCredentials:
         mutual = self.tls_ca is not None
@@ -106,56 +139,17 @@ class Security:
         return port
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return [] if self.token is None else [TokenInterceptor(self.token)]
+        return [] if self.token is None and self.identity is None else [CallerInterceptor(self)]
 
     # -- signatures -------------------------------------------------------------------------------------
 
-    def sign(self, *parts: object) -> str:
-        """HMAC-SHA256 over ``parts`` keyed by the token ('' when insecure: integrity against mistakes only)."""
-        key = (self.token or "").encode()
-        message = "\x1f".join(str(p) for p in parts).encode()
-        return hmac.new(key, message, hashlib.sha256).hexdigest()
+    def sign(self, purpose: str, *parts: object) -> str:
+        """HMAC-SHA256 of ``purpose`` and ``parts`` under the purpose's key (``rpc.keys``; '' when insecure:
+        integrity against mistakes only); ``PermissionError`` when our credential holds no such key."""
+        return self.keyring.sign(purpose, *parts)
 
-    def verify(self, signature: str, *parts: object) -> bool:
-        return hmac.compare_digest(signature.encode(), self.sign(*parts).encode())
-
-
-class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls to the internal services that lack the cluster token, with UNAUTHENTICATED."""
-
-    def __init__(self, token: str) -> None:
-        self._token = token.encode()
-
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        handler = await continuation(details)
-        service = details.method.lstrip("/").split("/", 1)[0]
-        if handler is None or service not in INTERNAL_SERVICES:
-            return handler
-        given = dict(details.invocation_metadata or ()).get(TOKEN_METADATA, "")
-        if isinstance(given, str) and hmac.compare_digest(given.encode(), self._token):
-            return handler
-        return _denied(handler, f"{details.method} serves cluster members only: send the cluster token "
-                                f"({TOKEN_ENV}) as '{TOKEN_METADATA}' metadata")  # fmt: skip
-
-
-def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    async def deny(request_or_iterator, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    async def deny_stream(request_or_iterator, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover - makes this an async generator, as streaming handlers must be
-
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    make = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(deny_stream if handler.response_streaming else deny,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)  # fmt: skip
+    def verify(self, signature: str, purpose: str, *parts: object) -> bool:
+        return self.keyring.verify(signature, purpose, *parts)
 
 
 # -- configuration ------------------------------------------------------------------------------------------
@@ -164,24 +158,42 @@ def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
 def add_security_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("security")
     group.add_argument("--cluster-token-file", default=None,
-                       help=f"file holding the cluster token (default: ${TOKEN_ENV} or ${TOKEN_FILE_ENV})")
+                       help=f"file holding the cluster token or this process's credential (default: ${TOKEN_ENV} "
+                            f"or ${TOKEN_FILE_ENV})")  # fmt: skip
+    group.add_argument("--cluster-certs", default=None, metavar="DIR",
+                       help="this process's cluster certificate: DIR/cert.pem, key.pem (mode 600) and the cluster "
+                            "CA's ca.pem (kvserve certs makes them); internal gRPC then runs over mutual TLS, "
+                            "authorized by role")  # fmt: skip
     group.add_argument("--insecure-internal", action="store_true",
                        help="serve internal RPCs without the cluster token (logs a warning)")
-    group.add_argument("--tls-cert", default=None, help="PEM certificate for this process's ports")
+    group.add_argument("--tls-cert", default=None,
+                       help="PEM certificate of the router's public port (of this process's port, without "
+                            "--cluster-certs)")  # fmt: skip
     group.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     group.add_argument("--tls-ca", default=None,
                        help="PEM CA: verify peers with it and require client certificates")
 
 
-def security_from_args(args: argparse.Namespace) -> Security:
-    """The process's ``Security`` from its flags and environment; ``ValueError`` says what is missing."""
-    tls = [args.tls_cert, args.tls_key]
-    if any(tls) and not all(tls):
+def tls_files(args: argparse.Namespace) -> dict[str, bytes]:
+    """The ``--tls-*`` files as ``Security`` fields; ``ValueError`` for an incomplete set."""
+    if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
     if args.tls_ca and not args.tls_cert:
         raise ValueError("--tls-ca needs --tls-cert and --tls-key (mutual TLS)")
-    files = {name: Path(path).read_bytes() for name, path in
-             (("tls_cert", args.tls_cert), ("tls_key", args.tls_key), ("tls_ca", args.tls_ca)) if path}  # fmt: skip
+    return {name: Path(path).read_bytes() for name, path in
+            (("tls_cert", args.tls_cert), ("tls_key", args.tls_key), ("tls_ca", args.tls_ca)) if path}  # fmt: skip
+
+
+def security_from_args(args: argparse.Namespace, role: str | None = None) -> Security:
+    """The credentials of this process's internal calls, from its flags and environment; ``ValueError`` says
+    what is missing or wrong. ``role`` is the process's: a certificate or credential of another is refused."""
+    files: dict[str, object] = tls_files(args)
+    if getattr(args, "cluster_certs", None):
+        if files and role not in (None, "router"):
+            raise ValueError("--tls-* serve the router's public port: a worker's port uses --cluster-certs alone")
+        files = read_member_dir(Path(args.cluster_certs))
+        if role is not None and files["identity"].role != role:
+            raise ValueError(f"{args.cluster_certs}/cert.pem is a {files['identity'].role}'s, not a {role}'s")
     if args.insecure_internal:
         log.warning("--insecure-internal: internal RPCs accept any caller; use this on a trusted network only")
         return Security(token=None, **files)
@@ -191,20 +203,32 @@ def security_from_args(args: argparse.Namespace) -> Security:
             f"no cluster token: set {TOKEN_ENV}, or {TOKEN_FILE_ENV} / --cluster-token-file to a file holding it "
             "(kvserve up makes one), or pass --insecure-internal on a trusted network"
         )
-    return Security(token=token, **files)
+    security = Security(token=token, **files)
+    if role is not None and security.keyring.role not in (MEMBER, role):
+        raise ValueError(f"the cluster token is a {security.keyring.role}'s credential, not a {role}'s")
+    return security
 
 
 def load_token(path: str | None = None) -> str | None:
     """The cluster token from ``path`` (else ``$KVSERVE_CLUSTER_TOKEN_FILE``), else ``$KVSERVE_CLUSTER_TOKEN``.
 
     A token file other users may read or write is refused, as ssh refuses such a private key: whoever reads
-    the token is a cluster member, and may write into any worker's KV pool.
+    the token is a cluster member, and may write into any worker's KV pool. So is one another user owns
+    (root aside): its owner may rewrite it, and so choose the token. The file checked is the file read.
     """
     path = path or os.environ.get(TOKEN_FILE_ENV)
-    if path and (mode := os.stat(path).st_mode & 0o777) & 0o077:
-        raise ValueError(f"cluster token file {path} has mode {mode:04o}: other users can read it and join the "
-                         f"cluster; make it private (chmod 600 {path}) and make the token anew")  # fmt: skip
-    token = Path(path).read_text().strip() if path else os.environ.get(TOKEN_ENV, "").strip()
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if path:
+        with open(path, "rb") as file:
+            info = os.fstat(file.fileno())
+            if info.st_uid not in (os.getuid(), 0):
+                raise ValueError(f"cluster token file {path} belongs to uid {info.st_uid}, not to this user "
+                                 f"(uid {os.getuid()}): its owner can rewrite the token; use a file of your own "
+                                 "(mode 600) with a new token")  # fmt: skip
+            if (mode := info.st_mode & 0o777) & 0o077:
+                raise ValueError(f"cluster token file {path} has mode {mode:04o}: other users can read it and "
+                                 f"join the cluster; make it private (chmod 600 {path}) and make the token anew")
+            token = file.read().decode().strip()
     if path and not token:
         raise ValueError(f"cluster token file {path} is empty")
     return token or None

@@ -2,9 +2,13 @@
 
 The decode worker grants one prefill worker the right to write one request's prompt KV into some of its
 blocks (and to read the blocks that already hold the prompt's cached prefix, whose tokens the grant names by
-their prefix hash) until a deadline, and signs that grant with the cluster token (``Security.sign``). The
-prefill worker reads or writes only under a grant that verifies, names it, has not expired and stays inside
-the pool; it maps only pool files in its own cluster's directory. Nothing here needs Redis: the hand-off
+their prefix hash) until a deadline, and signs that grant with the lease key (``rpc.keys``: decode and
+prefill workers hold it, the router does not). The signature covers every field of the ``KVDestination``
+(``_signed_parts``: whatever is set, by field number, so a field added to the message is covered too): the
+pool's path, CUDA IPC handle and size, the fingerprint, the cached-token count and prefix hash, the expiry
+and a nonce. The prefill worker reads or writes only under a grant that verifies, names it, has not expired,
+stays inside the pool and was never used before (``NonceBook``: a captured ``PrefillRequest`` replayed is
+refused); it maps only pool files in its own cluster's directory. Nothing here needs Redis: the hand-off
 stays off it.
 
 Time: the prefill worker stops reading and writing ``WRITE_MARGIN_S`` before the expiry (``write_deadline``,
@@ -17,24 +21,41 @@ thus always lands before the blocks change hands.
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from google.protobuf.message import Message
+
 from kvstore.prefix_hash import block_hashes
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from rpc.auth import Security
+from rpc.identity import Identity
 
 # Reads and writes stop this long before the lease's expiry, so that the answer (checksummed) can still reach
 # the decode worker in time; one layer's store is far shorter, and the decode worker's grace covers it anyway.
 WRITE_MARGIN_S = 0.1
 
 
-def _parts(request_id: str, dest: pb.KVDestination) -> tuple[object, ...]:
-    return ("lease", request_id, dest.worker_id, dest.prefill_worker_id, dest.backend, dest.address,
-            ",".join(map(str, dest.block_ids)), dest.shm_path, dest.num_blocks, dest.lease_expires_unix_ms,
-            ",".join(map(str, dest.cached_block_ids)), dest.cached_prefix_hash)  # fmt: skip
+def _signed_parts(request_id: str, dest: pb.KVDestination) -> list[str]:
+    """The request id, then every field of ``dest`` that is set but the signature, as ``number:length:value``
+    (a value cannot pose as a neighbour's: lengths delimit them, whatever bytes they hold)."""
+    parts = [request_id]
+    for desc, value in dest.ListFields():
+        if desc.name == "lease_signature":
+            continue
+        if isinstance(value, bytes):
+            text = value.hex()
+        elif isinstance(value, Message):
+            text = value.SerializeToString(deterministic=True).hex()
+        elif isinstance(value, str | int | float | bool):
+            text = str(value)
+        else:  # a repeated scalar field
+            text = ",".join(map(str, value))
+        parts.append(f"{desc.number}:{len(text)}:{text}")
+    return parts
 
 
 def prefix_hash(token_ids: Sequence[int], num_blocks: int, salt: str) -> str:
@@ -46,13 +67,17 @@ def prefix_hash(token_ids: Sequence[int], num_blocks: int, salt: str) -> str:
 
 
 def grant(security: Security, request_id: str, dest: pb.KVDestination, prefill_worker_id: str, ttl_s: float,
-          cached_tokens: Sequence[int] = ()) -> None:  # fmt: skip
+          cached_tokens: Sequence[int] = (), num_cached_tokens: int = 0) -> None:  # fmt: skip
     """Fill in ``dest``'s lease fields: ``prefill_worker_id`` may write ``dest.block_ids`` (and read
-    ``dest.cached_block_ids``, which hold the KV of ``cached_tokens``) for ``ttl_s``."""
+    ``dest.cached_block_ids``, which hold the KV of ``cached_tokens``) for ``ttl_s``, once, for a request
+    whose destination holds ``num_cached_tokens`` leading tokens already. ``PermissionError`` when
+    ``security`` holds no lease key (the router's)."""
     dest.prefill_worker_id = prefill_worker_id
     dest.lease_expires_unix_ms = int((time.time() + ttl_s) * 1000)
     dest.cached_prefix_hash = prefix_hash(cached_tokens, len(dest.cached_block_ids), dest.fingerprint)
-    dest.lease_signature = security.sign(*_parts(request_id, dest))
+    dest.num_cached_tokens = num_cached_tokens
+    dest.lease_nonce = secrets.token_hex(16)
+    dest.lease_signature = security.sign("lease-grant", *_signed_parts(request_id, dest))
 
 
 def confirms_prefix(dest: pb.KVDestination, cached_tokens: Sequence[int]) -> bool:
@@ -68,9 +93,32 @@ def write_deadline(dest: pb.KVDestination) -> float:
     return time.monotonic() + dest.lease_expires_unix_ms / 1000 - time.time() - WRITE_MARGIN_S
 
 
-def refusal(security: Security, request_id: str, dest: pb.KVDestination, worker_id: str, pool_dir: Path) -> str:
-    """Why this prefill worker must not write to ``dest`` for ``request_id`` ('' when it may)."""
-    if not security.verify(dest.lease_signature, *_parts(request_id, dest)):
+class NonceBook:
+    """The nonces of the leases a prefill worker accepted, each kept until its lease expires (a later use of an
+    expired lease is refused for its expiry anyway). One event loop uses it: no lock."""
+
+    def __init__(self) -> None:
+        self._expiry_ms: dict[str, int] = {}
+        self._pruned_at = 0.0
+
+    def accept(self, dest: pb.KVDestination) -> bool:
+        """Record ``dest``'s nonce; False when it was recorded before (the lease was used already)."""
+        now = time.time()
+        if now - self._pruned_at >= 1.0:
+            self._pruned_at = now
+            self._expiry_ms = {n: t for n, t in self._expiry_ms.items() if t > now * 1000}
+        if dest.lease_nonce in self._expiry_ms:
+            return False
+        self._expiry_ms[dest.lease_nonce] = dest.lease_expires_unix_ms
+        return True
+
+
+def refusal(security: Security, request_id: str, dest: pb.KVDestination, worker_id: str, pool_dir: Path,
+            nonces: NonceBook) -> str:  # fmt: skip
+    """Why this prefill worker must not write to ``dest`` for ``request_id`` ('' when it may, and then the
+    lease counts as used: ``nonces`` refuses it from now on)."""
+    if not dest.lease_nonce or not security.verify(dest.lease_signature, "lease-grant",
+                                                   *_signed_parts(request_id, dest)):  # fmt: skip
         return f"no valid lease from decode worker {dest.worker_id!r} for request {request_id!r}"
     if dest.prefill_worker_id != worker_id:
         return f"the lease is for prefill worker {dest.prefill_worker_id!r}, not {worker_id!r}"
@@ -79,9 +127,23 @@ def refusal(security: Security, request_id: str, dest: pb.KVDestination, worker_
     bad = [b for b in [*dest.block_ids, *dest.cached_block_ids] if not 0 <= b < dest.num_blocks]
     if bad:
         return f"block ids {bad[:4]} are outside the destination pool of {dest.num_blocks} blocks"
-    if dest.backend == "shm":
-        return _pool_file_refusal(Path(dest.shm_path), dest.worker_id, pool_dir)
+    if dest.backend == "shm" and (problem := _pool_file_refusal(Path(dest.shm_path), dest.worker_id, pool_dir)):
+        return problem
+    if not nonces.accept(dest):
+        return f"the lease for request {request_id!r} was used already: a replayed call is refused"
     return ""
+
+
+def request_refusal(security: Security, request: pb.PrefillRequest, caller: Identity | None, worker_id: str,
+                    pool_dir: Path, nonces: NonceBook) -> str:  # fmt: skip
+    """``refusal`` of ``request``'s lease, and the request's agreement with it: its ``num_cached_tokens`` is
+    the one granted, and (with cluster certificates) ``caller`` is the decode worker whose pool it names."""
+    dest = request.destination
+    if security.identity is not None and (caller is None or caller.name != dest.worker_id):
+        return f"a lease on decode worker {dest.worker_id!r}'s pool comes from that worker only, not from {caller}"
+    if request.num_cached_tokens != dest.num_cached_tokens:
+        return f"num_cached_tokens={request.num_cached_tokens} differs from the lease's {dest.num_cached_tokens}"
+    return refusal(security, request.request_id, dest, worker_id, pool_dir, nonces)
 
 
 def _pool_file_refusal(path: Path, worker_id: str, pool_dir: Path) -> str:

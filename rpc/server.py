@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from rpc.auth import GRPC_OPTIONS, Security
+from rpc.identity import Identity
 
 SERVICES = ("Inference", "Decode", "Prefill", "KVTransfer")
 INSTANCE_ENV = "KVSERVE_INSTANCE_ID"
@@ -164,11 +165,12 @@ def _proven(call: grpc.Call, instance_id: str, challenge: str) -> bool:
 
 
 def wait_healthy(address: str, timeout_s: float, security: Security | None = None,
-                 instance_id: str | None = None) -> bool:  # fmt: skip
+                 instance_id: str | None = None, peer: Identity | None = None) -> bool:  # fmt: skip
     """True once ``address`` answers SERVING to a health check within ``timeout_s``; with ``instance_id``, only
-    when the answer proves it comes from the process started with that id (``INSTANCE_ENV``)."""
+    when the answer proves it comes from the process started with that id (``INSTANCE_ENV``); with ``peer``
+    and cluster certificates, only from a server whose certificate names ``peer``."""
     deadline = time.monotonic() + timeout_s
-    with (security or Security.insecure()).channel(address) as channel:
+    with (security or Security.insecure()).channel(address, peer) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             challenge = secrets.token_hex(16)

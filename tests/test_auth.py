@@ -191,7 +191,7 @@ def test_cached_block_ids_must_name_exactly_the_cached_prefix_blocks(cluster):
     for cached, held, backend in [([1], 0, "shm"), ([1], 32, "shm"), ([1, 2], 16, "shm"), ([1], 16, "grpc")]:
         dest = _destination(decode, [NUM_BLOCKS - 3, NUM_BLOCKS - 2, NUM_BLOCKS - 1], cached_block_ids=cached,
                             backend=backend)  # fmt: skip
-        lease.grant(TEST_SECURITY, "misread", dest, "prefill-a", 30)
+        lease.grant(TEST_SECURITY, "misread", dest, "prefill-a", 30, num_cached_tokens=held)
         err = _prefill(prefill, "misread", dest, TEST_SECURITY.metadata("decode-a"), held)
         assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, (cached, held, backend)
         assert "cached block ids" in err.details()
@@ -203,7 +203,7 @@ def test_cached_blocks_are_read_only_when_the_lease_names_the_prompts_tokens(clu
     decode, prefill = cluster
     for named in (list(range(200, 216)), []):  # _prefill's prompt starts with 100..115
         dest = _destination(decode, [NUM_BLOCKS - 3, NUM_BLOCKS - 2, NUM_BLOCKS - 1], cached_block_ids=[1])
-        lease.grant(TEST_SECURITY, "misnamed", dest, "prefill-a", 30, named)
+        lease.grant(TEST_SECURITY, "misnamed", dest, "prefill-a", 30, named, 16)
         err = _prefill(prefill, "misnamed", dest, TEST_SECURITY.metadata("decode-a"), 16)
         assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, named
         assert "prefix hash" in err.details()

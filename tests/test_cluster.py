@@ -15,6 +15,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from engine import SamplingParams
 from kvserve.client import Client, build_request
 from kvstore.registry import Registry
+from rpc.auth import Security
+from rpc.identity import Identity
 
 GREEDY = {"temperature": 0, "max_tokens": 32, "ignore_eos": True}
 
@@ -65,14 +67,21 @@ def test_streaming_text_matches_tokens(one_by_one, tokenizer):
 
 
 def test_health_and_reflection_on_every_process(one_by_one):
+    """Workers serve over mutual TLS with the cluster's certificates only (the launcher's here); the router's
+    public port stays plain."""
     for child in one_by_one.children:
-        with grpc.insecure_channel(child.address) as channel:
+        security = Security(None) if child.role == "router" else one_by_one.security
+        with security.channel(child.address, Identity(child.role, child.name)) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
             answers = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
             services = {s.name for a in answers for s in a.list_services_response.service}
             assert "grpc.health.v1.Health" in services and any(s.startswith("kvserve.v1.") for s in services)
+        if child.role != "router":
+            with grpc.insecure_channel(child.address) as plain, pytest.raises(grpc.RpcError) as err:
+                health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def _decode_free_blocks(cluster_) -> tuple[int, int]:

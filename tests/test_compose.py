@@ -63,16 +63,37 @@ def test_prometheus_scrapes_every_process_on_its_metrics_port():
 
 
 def test_every_service_restarts_and_is_health_checked_on_its_own_port():
-    services = _compose()["services"]
+    services = {name: s for name, s in _compose()["services"].items() if name != "certs"}  # one-shot: it exits
     assert {name: s.get("restart") for name, s in services.items()} == dict.fromkeys(services, "unless-stopped")
     for name in KVSERVE_SERVICES:
         test = services[name]["healthcheck"]["test"]
         port = _flag(services[name]["command"], "--port")
-        assert test == ["CMD", "python", "-m", "kvserve.healthcheck", f"127.0.0.1:{port}"], name
+        mtls = [] if name == "router" else ["--cluster-certs", "/run/kvserve"]  # the router's port is public
+        assert test == ["CMD", "python", "-m", "kvserve.healthcheck", f"127.0.0.1:{port}", *mtls], name
     assert "redis-cli ping" in services["redis"]["healthcheck"]["test"][1]
     # the router starts once Redis and both workers answer their health checks
     assert {dep: c["condition"] for dep, c in services["router"]["depends_on"].items()} == {
-        "redis": "service_healthy", "decode": "service_healthy", "prefill": "service_healthy"}  # fmt: skip
+        "certs": "service_completed_successfully", "redis": "service_healthy", "decode": "service_healthy",
+        "prefill": "service_healthy"}  # fmt: skip
+
+
+def test_each_kvserve_service_mounts_only_its_own_certificate_and_credential():
+    """Internal gRPC over mutual TLS (issue 21): ``certs`` makes a volume per service; the cluster token, from
+    which every key derives, reaches that one-shot service only, and the router's volume holds the router's."""
+    services = _compose()["services"]
+    certs = services["certs"]
+    volumes = dict(v.split(":")[:2] for v in certs["volumes"])
+    assert set(volumes.values()) == {"/certs/ca", "/certs/router", "/certs/decode-0", "/certs/prefill-0"}
+    assert certs["environment"] == {} and "kvserve certs --out /certs --names router decode-0 prefill-0" in \
+        certs["command"][2] and certs["restart"] == "no"  # fmt: skip
+    for name in KVSERVE_SERVICES:
+        service = services[name]
+        assert _flag(service["command"], "--cluster-certs") == "/run/kvserve"
+        mounted = [v for v in service["volumes"] if v.startswith("certs-")]
+        member = name if name == "router" else f"{name}-0"
+        assert mounted == [f"{[k for k, path in volumes.items() if path == f'/certs/{member}'][0]}:/run/kvserve:ro"]
+        assert service["environment"] == {TOKEN_ENV: "", TOKEN_FILE_ENV: "/run/kvserve/token"}
+        assert service["depends_on"]["certs"]["condition"] == "service_completed_successfully"
 
 
 def test_published_ports_bind_localhost_unless_told_otherwise():

@@ -33,7 +33,7 @@ def _unused_address() -> str:
 def test_health_is_checked_once_per_worker_start_and_again_after_a_bench():
     aio = AsyncioThread()
     server = InProcessServer({"Decode": pb_grpc.DecodeServicer()}, aio=aio)  # answers health checks only
-    health = WorkerHealth(TEST_SECURITY.aio_channel, bench_s=0.3)
+    health = WorkerHealth(lambda worker: TEST_SECURITY.aio_channel(worker.address), bench_s=0.3)
     live = WorkerInfo(worker_id="decode-a", role="decode", address=server.address, started_at=1.0)
     dead = WorkerInfo(worker_id="decode-b", role="decode", address=_unused_address(), started_at=1.0)
     try:
@@ -59,7 +59,7 @@ def test_a_known_worker_stays_usable_while_redis_lists_nothing_and_is_forgotten_
     answer, instead of refusing every request until they register again."""
     aio = AsyncioThread()
     server = InProcessServer({"Decode": pb_grpc.DecodeServicer()}, aio=aio)
-    health = WorkerHealth(TEST_SECURITY.aio_channel, bench_s=0.2, recheck_s=0.2)
+    health = WorkerHealth(lambda worker: TEST_SECURITY.aio_channel(worker.address), bench_s=0.2, recheck_s=0.2)
     worker = WorkerInfo(worker_id="decode-a", role="decode", address=server.address, started_at=1.0)
     try:
         assert aio.run(health.usable([worker], DECODE)) == [worker]
