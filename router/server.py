@@ -102,7 +102,7 @@ class Router(pb_grpc.InferenceServicer):
         self.stream_idle_timeout_s = stream_idle_timeout_s  # a client that reads nothing this long is dropped
         self.weights = weights or RoutingWeights()
         self.health = WorkerHealth(self._channel)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[str, tuple[grpc.aio.Channel, float]] = {}  # and the worker start it was made for
         self._in_flight: Counter[str] = Counter()
         self._validator = ValidationQueue(tokenizer, vocab_size, max_context, max_validation_backlog)
 
@@ -196,7 +196,7 @@ class Router(pb_grpc.InferenceServicer):
         return bool(await self._live("decode"))
 
     async def close(self) -> None:
-        for channel in self._channels.values():
+        for channel, _ in self._channels.values():
             await channel.close()
         self._validator.close()
 
@@ -239,9 +239,16 @@ class Router(pb_grpc.InferenceServicer):
         it (a static ``--decode-address`` names no worker: any decode worker of the cluster CA then)."""
         name = "" if worker.worker_id == worker.address else worker.worker_id
         key = f"{worker.address} {name}"
-        if key not in self._channels:
-            self._channels[key] = self.security.aio_channel(worker.address, Identity(worker.role, name))
-        return self._channels[key]
+        channel, started_at = self._channels.get(key, (None, None))
+        if channel is None or worker.started_at > started_at:
+            # a newer start of the worker gets a new channel: the old one may sit in reconnect backoff after the
+            # old process died, failing the first calls to the new one (its calls died with that process). A
+            # request still holding the older description keeps using the newest channel.
+            if channel is not None:
+                asyncio.ensure_future(channel.close())
+            channel = self.security.aio_channel(worker.address, Identity(worker.role, name))
+            self._channels[key] = (channel, worker.started_at)
+        return channel
 
 
 def _remaining(context: grpc.aio.ServicerContext) -> float | None:

@@ -8,18 +8,15 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-import pytest
 from cluster_utils import free_base_port
 
 from engine import EngineConfig
 from kvserve.client import Client
-from kvserve.scratch import cluster_shm_dir
 from rpc.auth import TOKEN_ENV, TOKEN_FILE_ENV
 from rpc.flags import REDIS_URL_ENV, add_worker_args, engine_config_from_args
 
@@ -131,43 +128,3 @@ def test_up_refuses_gpu_shares_over_the_whole_gpu():
     assert done.returncode == 2
     assert "add up to more than the whole GPU" in done.stderr
     assert "serving" not in done.stdout
-
-
-def _serving_up(port: int, log_dir: Path) -> subprocess.Popen:
-    """``kvserve up`` (no prefill worker), returned once it serves."""
-    cmd = [sys.executable, "-m", "kvserve.cli", "up", "--port", str(port), "--prefill", "0", "--num-blocks", "64",
-           "--log-dir", str(log_dir)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "serving kvserve.v1.Inference" in line:
-            return proc
-    proc.wait()
-    raise AssertionError(f"kvserve up exited with {proc.returncode}: {''.join(lines)}")
-
-
-@pytest.mark.slow
-def test_a_start_on_another_port_removes_what_a_killed_up_left_behind(tmp_path):
-    first = free_base_port()
-    killed = _serving_up(first, tmp_path)
-    children = subprocess.run(["pgrep", "-P", str(killed.pid)], capture_output=True, text=True).stdout.split()
-    pools = cluster_shm_dir(first)
-    [redis_dir] = [d for d in Path(tempfile.gettempdir()).glob("kvserve-redis-*")
-                   if (d / "server.pid").exists() and (d / "server.pid").read_text() in children]  # fmt: skip
-    killed.kill()
-    killed.wait()
-    killed.stdout.close()
-    assert pools.is_dir() and redis_dir.is_dir()  # SIGKILL skipped the clean stop
-
-    second = free_base_port()
-    while second == first:
-        second = free_base_port()
-    again = _serving_up(second, tmp_path)
-    try:
-        assert not pools.exists() and not redis_dir.exists()
-    finally:
-        again.send_signal(signal.SIGTERM)
-        assert again.wait(timeout=60) == 0
-        again.stdout.close()
-    assert not cluster_shm_dir(second).exists()
