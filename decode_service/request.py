@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine import Continuation, RequestOutput, SamplingParams
+from engine import Continuation, LLMEngine, RequestOutput, SamplingParams
+from engine.continuation import check_continuation
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from rpc import metrics
+from rpc.validation import validate_request_id, validate_sampling
 
 
 class RequestState(enum.Enum):
@@ -137,6 +139,21 @@ class ActiveRequest:
             msg.decode_worker = worker_id
             msg.prefill_worker = self.prefill_worker
         return msg
+
+
+def validate_decode_request(request: pb.DecodeRequest, engine: LLMEngine
+                            ) -> tuple[list[int], SamplingParams, Continuation | None]:  # fmt: skip
+    """(prompt, sampling, the continuation of a stream another decode worker began, if any) of a ``Generate``
+    call, checked by the router's rules (``rpc.validation``) and the engine's; ``ValueError`` says what is
+    wrong."""
+    validate_request_id(request.request_id)
+    params = validate_sampling(request.sampling, engine.model_config.vocab_size)
+    prompt = engine.validate(list(request.prompt_token_ids), params)
+    continuation = None
+    if request.resumed_output_token_ids:  # a stream the router moved here from a worker that died or drained
+        continuation = Continuation(tuple(request.resumed_output_token_ids), request.num_resumed_chars)
+        check_continuation(continuation, len(prompt), params, engine.model_config.vocab_size, engine.max_model_len)
+    return prompt, params, continuation
 
 
 class Admission:

@@ -1,24 +1,21 @@
 """A request's life on the decode worker (decode allocates first, prefill pushes); states in ``request.py``:
 
-1. ``Generate`` (a coroutine on the gRPC event loop) validates the request and
-   queues it (QUEUED); with ``max_waiting`` already queued it answers
-   RESOURCE_EXHAUSTED, and while draining UNAVAILABLE (the router retries elsewhere).
-2. The engine loop (``self.loop``, the process's main thread, the engine's only
-   user) takes queued requests in order while the pool has blocks for their
-   prompts, reserves them (RESERVED) and calls a prefill worker's ``Prefill``
-   with the block ids under a signed lease (PREFILLING). With no prefill worker
-   it prefills locally (RUNNING).
-3. The prefill worker writes the prompt's KV into those blocks (``shm``: in
-   place; ``grpc``: through ``KVReceiver.PushKV``) and answers with the first
-   token and a checksum, which we verify against our own blocks (RUNNING). A
-   failed prefill is retried on another prefill worker, then locally; blocks
-   its writer may still touch (``shm``) are quarantined until its lease runs
-   out or the writer ends it (``prefill_client.Quarantine``).
-4. Every step's tokens go to the request's stream. Every exit (FINISHED,
-   ABORTED by a gone client, FAILED) goes through ``_finish``, which frees the
-   blocks, the lease and the stream; a loop error fails only the requests it
-   concerns. SIGTERM drains: no admissions, queued requests handed back
-   (UNAVAILABLE), running ones finish within the drain timeout.
+1. ``Generate`` (a coroutine on the gRPC event loop) validates the request (a continuation of a stream
+   another worker began included) and queues it (QUEUED); past ``max_waiting`` queued: RESOURCE_EXHAUSTED,
+   while draining: UNAVAILABLE (the router retries elsewhere).
+2. The engine loop (``self.loop``: the process's main thread, the engine's only user) takes queued requests
+   in order while the pool has blocks for them, reserves them (RESERVED) and calls a prefill worker's
+   ``Prefill`` with the block ids under a signed lease (PREFILLING); with no prefill worker it prefills
+   locally (RUNNING).
+3. The prefill worker writes the KV into those blocks (``shm``: in place; ``grpc``: ``KVReceiver.PushKV``)
+   and answers with the first token and a checksum, which we verify against our blocks (RUNNING). A failed
+   prefill is retried on another prefill worker, then locally; blocks its writer may still touch are
+   quarantined until it ends the lease, or the lease's expiry plus a grace (``prefill_client.Quarantine``).
+4. Every step's tokens go to the request's stream. Every exit (FINISHED, ABORTED by a gone client, FAILED)
+   goes through ``_finish``, which frees the blocks, the lease and the stream; a loop error fails only the
+   requests it concerns. SIGTERM drains: no admissions, queued requests handed back (UNAVAILABLE), running
+   ones finish within the drain timeout, and what still runs then ends with UNAVAILABLE, which the router
+   turns into a continuation on another decode worker.
 """
 
 from __future__ import annotations
@@ -34,10 +31,9 @@ import grpc
 
 from decode_service.kv_receiver import KVReceiver
 from decode_service.prefill_client import PrefillClient, Quarantine
-from decode_service.request import ActiveRequest, Admission, RequestState
-from engine import Continuation, LLMEngine, RequestOutput
-from engine.continuation import check_continuation
-from engine.llm_engine import StepError
+from decode_service.request import ActiveRequest, Admission, RequestState, validate_decode_request
+from engine import LLMEngine, RequestOutput
+from engine.outputs import StepError
 from kvstore.registry import Registry
 from kvstore.transfer import choose_backend, export_cuda_ipc, fingerprint
 from kvstore.workers import WorkerInfo, local_host_id
@@ -45,7 +41,6 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc.auth import Security
 from rpc.loop import AsyncioThread, Loop
-from rpc.validation import validate_request_id, validate_sampling
 
 log = logging.getLogger(__name__)
 S = RequestState
@@ -56,12 +51,8 @@ class DecodeWorker(pb_grpc.DecodeServicer):
                  registry: Registry | None = None, shm_path: str = "", max_waiting: int = 64,
                  prefill_timeout_s: float = 30.0, prefill_ms_per_token: float = 20.0,
                  force_backend: str | None = None, prefill_reads_cached_prefix: bool = True) -> None:  # fmt: skip
-        self.engine = engine
-        self.worker_id = worker_id
-        self.address = address
-        self.security = security
-        self.shm_path = shm_path
-        self.force_backend = force_backend
+        self.engine, self.worker_id, self.address, self.security = engine, worker_id, address, security
+        self.shm_path, self.force_backend = shm_path, force_backend
         self.prefill_reads_cached_prefix = prefill_reads_cached_prefix  # see _submit_prefill
         self.host_id = local_host_id()
         self.cuda_ipc_handle = export_cuda_ipc(engine.runner.kv_cache) if engine.runner.device.type == "cuda" else b""
@@ -111,14 +102,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         if self._drain_deadline is not None:
             await context.abort(*self._shutdown_error)
         try:  # members are checked like anyone: the same rules as the router's (rpc.validation)
-            validate_request_id(request.request_id)
-            params = validate_sampling(request.sampling, self.engine.model_config.vocab_size)
-            prompt = self.engine.validate(list(request.prompt_token_ids), params)
-            continuation = None
-            if request.resumed_output_token_ids:  # another decode worker's stream, moved here (router)
-                continuation = Continuation(tuple(request.resumed_output_token_ids), request.num_resumed_chars)
-                check_continuation(continuation, len(prompt), params, self.engine.model_config.vocab_size,
-                                   self.engine.max_model_len)  # fmt: skip
+            prompt, params, continuation = validate_decode_request(request, self.engine)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         if not self.admission.enter():

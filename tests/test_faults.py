@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from cluster_utils import ENGINE_ARGV, Load, cluster, free_base_port, offline_answers, supervised
+from cluster_utils import ENGINE_ARGV, Load, cluster, free_base_port, offline_answers, prometheus_values, supervised
 from waiting import wait_until
 
 from kvserve.client import Client
@@ -54,13 +54,25 @@ def _kill_and_await_restart(c: Cluster, name: str) -> tuple[int, float]:
 
 
 @pytest.mark.slow
-def test_killed_workers_are_restarted_while_serving_goes_on(two_by_two, expected):
+def test_killed_workers_are_restarted_while_serving_goes_on(two_by_two, llm):
     """Streams running on the SIGKILLed decode worker move to the other one (the router resends the prompt and
     the tokens already streamed): no request fails, and every answer is still the offline engine's."""
     c, supervisor, messages = two_by_two
-    load = Load(c.endpoint, threads=CONCURRENCY, max_tokens=MAX_TOKENS, expected=expected)
+    # longer answers than the other faults' (most of a stream's life is decoding), and the kill comes while
+    # decode-0 is streaming tokens (its inter-token count grows), so it catches streams that already sent some
+    max_tokens = 2 * MAX_TOKENS
+    load = Load(c.endpoint, threads=CONCURRENCY, max_tokens=max_tokens,
+                expected=offline_answers(llm, CONCURRENCY, max_tokens))  # fmt: skip
+    decode_0 = c.child("decode-0")
+
+    def tokens_streamed_by_decode_0() -> float:
+        buckets = prometheus_values(decode_0.metrics_url, "kvserve_inter_token_latency_seconds_bucket")
+        return buckets.get('le="+Inf"', 0.0)
+
     try:
         wait_until(lambda: load.completed >= CONCURRENCY, 120, "the load got going")
+        before = tokens_streamed_by_decode_0()
+        wait_until(lambda: tokens_streamed_by_decode_0() >= before + 8, 60, "decode-0 streaming tokens")
         decode_pid, decode_recovery_s = _kill_and_await_restart(c, "decode-0")
         restarted_pid = c.child("decode-0").pid
         assert not (c.shm_dir / pool_file_name("decode-0", decode_pid)).exists(), "the dead worker's pool is left"

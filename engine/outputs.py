@@ -1,0 +1,48 @@
+"""What a step gives back: each request's progress (``RequestOutput``), or the failure of a batch (``StepError``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class RequestOutput:
+    """A request's progress after a step: what this step added and everything so far.
+
+    ``token_ids`` and ``text`` (everything so far) are built when read, O(length), so that producing an
+    output costs O(new tokens) per step. They show the request as of this step, except that a stop string
+    found later also shortens ``text`` of earlier outputs.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    num_dest_read_tokens: int = 0  # prompt tokens whose KV was read from the kv_destination (first admission)
+    num_output_tokens: int = 0
+    _seq: Sequence | None = field(default=None, repr=False, compare=False)
+    _num_chars: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        start = len(self.prompt_token_ids)
+        return self._seq.token_ids[start : start + self.num_output_tokens]
+
+    @property
+    def text(self) -> str:
+        return self._seq.detokenizer.text[: self._num_chars]
+
+
+class StepError(RuntimeError):
+    """A step's model run failed. ``request_ids`` are the requests of that batch: abort them (their KV is
+    suspect); the engine itself stays usable for the others."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"model step failed for {len(request_ids)} requests: {type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
