@@ -107,3 +107,22 @@ def random_qwen2_dir(tmp_path_factory):
     from engine.random_model import write_random_model
 
     return write_random_model(tmp_path_factory.mktemp("qwen2"), "qwen2-0.5b", num_layers=2, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A real Redis server (the embedded one ``kvserve up`` runs) for one test module."""
+    from kvserve.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def raw(redis_server):
+    """A plain client of ``redis_server`` on an emptied database: the view of anyone who can reach Redis."""
+    import redis
+
+    with redis.Redis.from_url(redis_server.url, decode_responses=True) as client:
+        client.flushdb()
+        yield client

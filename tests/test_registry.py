@@ -21,20 +21,6 @@ from rpc.auth import Security
 SECURITY = Security(token="registry-test-token")
 
 
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as server:
-        yield server
-
-
-@pytest.fixture
-def raw(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
-    """A plain client on an emptied database: the view of anyone who can reach Redis."""
-    with redis.Redis.from_url(redis_server.url, decode_responses=True) as client:
-        client.flushdb()
-        yield client
-
-
 @pytest.fixture
 def registry(redis_server: EmbeddedRedis, raw: redis.Redis) -> Iterator[Registry]:
     reg = Registry(redis_server.url, security=SECURITY, ttl_s=5.0)

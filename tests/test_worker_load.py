@@ -4,10 +4,6 @@ reader nor makes it drop the worker (kvstore/worker_reader.py). A real Redis."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-
-import pytest
-import redis
 
 from kvserve.redis_server import EmbeddedRedis
 from kvstore.registry import Registry
@@ -18,29 +14,16 @@ SECURITY = Security(token="load-test-token")
 KEY = "kvserve:worker:d0"
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as embedded:
-        yield embedded
-
-
-@pytest.fixture
-def raw(server: EmbeddedRedis) -> Iterator[redis.Redis]:
-    with redis.Redis.from_url(server.url, decode_responses=True) as client:
-        client.flushdb()
-        yield client
-
-
-def _registry(server: EmbeddedRedis) -> Registry:
-    return Registry(server.url, security=SECURITY, ttl_s=30.0)
+def _registry(redis_server: EmbeddedRedis) -> Registry:
+    return Registry(redis_server.url, security=SECURITY, ttl_s=30.0)
 
 
 def _load(info: WorkerInfo) -> tuple[int, int, int, int]:
     return info.free_blocks, info.total_blocks, info.num_running, info.num_waiting
 
 
-def test_a_tampered_load_reads_as_the_last_verified_one_and_keeps_the_worker(server, raw, caplog) -> None:
-    worker, reader = _registry(server), _registry(server)
+def test_a_tampered_load_reads_as_the_last_verified_one_and_keeps_the_worker(redis_server, raw, caplog) -> None:
+    worker, reader = _registry(redis_server), _registry(redis_server)
     worker.register(WorkerInfo("d0", "decode", "127.0.0.1:1", free_blocks=50, total_blocks=64))
     worker.heartbeat("d0", free_blocks=40, num_running=3, num_waiting=1)
     assert [_load(w) for w in reader.workers()] == [(40, 64, 3, 1)]
@@ -53,7 +36,7 @@ def test_a_tampered_load_reads_as_the_last_verified_one_and_keeps_the_worker(ser
             assert _load(d0) == (40, 64, 3, 1) and d0.address == "127.0.0.1:1"
     assert len([r for r in caplog.records if "does not verify" in r.getMessage()]) == 1  # once per worker life
 
-    fresh = _registry(server)  # it never saw a verified load of d0: it assumes none
+    fresh = _registry(redis_server)  # it never saw a verified load of d0: it assumes none
     assert [_load(w) for w in fresh.workers()] == [(0, 0, 0, 0)]
 
     worker.heartbeat("d0", num_running=2)  # the next beat rewrites the whole load, signed
@@ -63,10 +46,10 @@ def test_a_tampered_load_reads_as_the_last_verified_one_and_keeps_the_worker(ser
         registry.stop()
 
 
-def test_a_load_signed_for_another_worker_or_life_does_not_verify(server, raw) -> None:
+def test_a_load_signed_for_another_worker_or_life_does_not_verify(redis_server, raw) -> None:
     first = WorkerInfo("d0", "decode", "127.0.0.1:1", free_blocks=7, total_blocks=8, num_running=5)
     other = WorkerInfo("d1", "decode", "127.0.0.1:2", free_blocks=8, total_blocks=8)
-    reader = _registry(server)
+    reader = _registry(redis_server)
     for info in (first, other):
         raw.hset(f"kvserve:worker:{info.worker_id}", mapping=info.to_redis(SECURITY))
         raw.sadd("kvserve:workers", info.worker_id)
@@ -81,8 +64,8 @@ def test_a_load_signed_for_another_worker_or_life_does_not_verify(server, raw) -
     reader.stop()
 
 
-def test_a_heartbeat_signs_only_for_its_own_worker_and_never_resurrects_it(server, raw) -> None:
-    worker = _registry(server)
+def test_a_heartbeat_signs_only_for_its_own_worker_and_never_resurrects_it(redis_server, raw) -> None:
+    worker = _registry(redis_server)
     worker.register(WorkerInfo("d0", "decode", "127.0.0.1:1"))
     assert not worker.heartbeat("d1", num_running=1)  # it holds no start time of d1 to sign with
     raw.delete(KEY)  # expired, or Redis restarted empty
