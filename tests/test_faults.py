@@ -222,17 +222,19 @@ def _start_up(port: int, log: Path, *extra: str) -> tuple[subprocess.Popen, list
 def test_killed_launcher_leaves_no_orphans_and_the_next_start_cleans_up(tmp_path):
     port = free_base_port()
     launcher, lines = _start_up(port, tmp_path / "up.log")
-    assert f"decode-0 decode grpc=127.0.0.1:{port + 10} metrics=http://127.0.0.1:{port + 1010}/metrics" in lines
-    assert f"router router grpc=127.0.0.1:{port} metrics=http://127.0.0.1:{port + 1}/metrics" in lines
-    children = _child_pids(launcher.pid)
-    assert len(children) == 3  # Redis, the decode worker, the router
-    shm_dir = cluster_shm_dir(port)
-    left = list(shm_dir.iterdir())  # the decode worker's pool, Redis's socket, the children's certificates
-    pools = [p for p in left if p.name.startswith("kvserve-decode-0-")]
-    redis_dirs = [d for d in Path(tempfile.gettempdir()).glob("kvserve-redis-*")
-                  if (d / "server.pid").read_text() in map(str, children)]  # fmt: skip
-    assert len(pools) == 1 and len(redis_dirs) == 1
-    launcher.kill()
+    try:
+        assert f"decode-0 decode grpc=127.0.0.1:{port + 10} metrics=http://127.0.0.1:{port + 1010}/metrics" in lines
+        assert f"router router grpc=127.0.0.1:{port} metrics=http://127.0.0.1:{port + 1}/metrics" in lines
+        children = _child_pids(launcher.pid)
+        assert len(children) == 3  # Redis, the decode worker, the router
+        shm_dir = cluster_shm_dir(port)
+        left = list(shm_dir.iterdir())  # the decode worker's pool, Redis's socket, the children's certificates
+        pools = [p for p in left if p.name.startswith("kvserve-decode-0-")]
+        redis_dirs = [d for d in Path(tempfile.gettempdir()).glob("kvserve-redis-*")
+                      if (d / "server.pid").read_text() in map(str, children)]  # fmt: skip
+        assert len(pools) == 1 and len(redis_dirs) == 1
+    finally:  # the kill is the test, and a failed check must not leave a cluster running either
+        launcher.kill()
     launcher.wait()
     gone_s = wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 5, "children died with it")
     print(f"\nthe SIGKILLed launcher's children were gone after {gone_s:.2f} s")
