@@ -17,27 +17,24 @@ from dataclasses import dataclass
 
 import grpc
 
+from cluster_state import lease
+from cluster_state.lease import LEASE_GRACE_S
+from cluster_state.registry import Registry
+from cluster_state.workers import WorkerInfo
 from decode_service.request import ActiveRequest
 from kvstore.block_manager import BlockManager
 from kvstore.kv_cache import KVCache
-from kvstore.registry import Registry
-from kvstore.transfer import checksum_blocks
-from kvstore.workers import WorkerInfo
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from rpc import lease, metrics
+from rpc import metrics
 from rpc.auth import Security
 from rpc.convert import sampling_to_proto
 from rpc.identity import Identity
 from rpc.loop import AsyncioThread
+from transfer.blocks import checksum_blocks
 
 log = logging.getLogger(__name__)
 REFRESH_S = 1.0
-# Blocks a prefill worker was granted are reused only once it has ended its lease, or this long after the
-# lease's expiry. The writer stops reading and writing before the expiry (less rpc.lease.WRITE_MARGIN_S),
-# checking before every layer's store, so what can land later is at most one layer's store under way then,
-# or (on a GPU) the steps still queued on its stream: far below this, whatever the step's length.
-LEASE_GRACE_S = 2.0
 # A refused call never reached the prefill worker's queue: it will never write, so its blocks are free at once.
 _REFUSED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
             grpc.StatusCode.UNAUTHENTICATED)  # fmt: skip
@@ -101,7 +98,7 @@ class PrefillClient:
             self._publisher.submit(self.registry.put_lease, req.request_id, self.worker_id, req.prefill_worker,
                                    list(req.leased), ttl_s + LEASE_GRACE_S)  # fmt: skip
 
-    def end_lease(self, request_id: str, writer: str) -> None:
+    def delete_lease(self, request_id: str, writer: str) -> None:
         """Delete ``request_id``'s lease from Redis if it still names ``writer`` (a retry may have replaced it)."""
         if self.registry is not None:
             self._publisher.submit(self.registry.delete_lease, request_id, writer)
@@ -112,7 +109,7 @@ class PrefillClient:
 
         def ended(rid: str, writer: str, address: str) -> bool:
             got = self.registry.get_lease(rid) if self.registry is not None else None
-            return (got is not None and got.prefill_id == writer and got.state != "pending") or listener_gone(address)
+            return (got is not None and got.prefill_id == writer and got.ended) or listener_gone(address)
 
         return self._publisher.submit(lambda: {(rid, writer) for rid, writer, address in leases
                                                if ended(rid, writer, address)})  # fmt: skip
@@ -123,9 +120,9 @@ class PrefillClient:
         arrived intact (our checksum of the first ``num_blocks`` leased blocks matches the writer's);
         ``writer_done`` says no late write can still land in the blocks."""
         if not req.future.done():
-            req.future.cancel()  # lease expired or client gone: the prefill worker drops the job
+            req.future.cancel()  # the lease expired: the prefill worker drops the job
         if req.future.cancelled():
-            return None, "cancelled" if req.cancelled else "lease expired", False
+            return None, "lease expired", False
         if (exc := req.future.exception()) is not None:
             code = exc.code() if isinstance(exc, grpc.RpcError) else None
             return None, f"{code.name}: {exc.details()}" if code else f"{type(exc).__name__}: {exc}", code in _REFUSED
@@ -221,7 +218,7 @@ class Quarantine:
             early = (held.request_id, held.writer) in ended
             if early or held.deadline <= now:
                 self.block_manager.free(held.owner)
-                self.prefills.end_lease(held.request_id, held.writer)
+                self.prefills.delete_lease(held.request_id, held.writer)
                 self.num_freed_early += early
             else:
                 kept.append(held)

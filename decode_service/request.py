@@ -1,12 +1,15 @@
 """A request's state on the decode worker: one explicit state, and the transitions it may take.
 
-    QUEUED -> RESERVED -> PREFILLING -> RUNNING -> FINISHED
-       |          |            |  ^         |
-       |          +--> RUNNING |  | (retry) +--> ABORTED / FAILED
-       +--> ABORTED / FAILED   +--+--> ABORTED / FAILED
+    QUEUED -> PREFILLING -> RUNNING -> FINISHED
+      |  ^         |            |
+      |  +---------+ (retry)    +--> ABORTED / FAILED
+      +--> RUNNING (local)
+    any non-terminal state --> ABORTED / FAILED
 
-RESERVED holds blocks for a prompt another worker will prefill; RUNNING without a
-PREFILLING phase is a local prefill (no prefill worker, or all of them failed).
+QUEUED waits in the engine's scheduler for blocks (the scheduler admits it);
+PREFILLING holds blocks a prefill worker is filling (the scheduler's
+WAITING_FOR_REMOTE_KV); RUNNING without a PREFILLING phase is a local prefill
+(no prefill worker, or all of them failed).
 FINISHED, ABORTED and FAILED are terminal: the worker's one cleanup
 (``DecodeWorker._finish``) moves a request there and frees what it holds.
 """
@@ -22,16 +25,17 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cluster_state.workers import WorkerInfo
 from engine import Continuation, LLMEngine, RequestOutput, SamplingParams
 from engine.continuation import check_continuation
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from rpc import metrics
 from rpc.validation import validate_request_id, validate_sampling
+from transfer.backend import LOCAL
 
 
 class RequestState(enum.Enum):
-    QUEUED = "queued"  # admitted, waiting for KV blocks
-    RESERVED = "reserved"  # blocks held, prefill not yet sent
+    QUEUED = "queued"  # accepted, waiting in the engine's scheduler for KV blocks
     PREFILLING = "prefilling"  # a prefill worker is writing the prompt's KV into the reserved blocks
     RUNNING = "running"  # in the engine's batch (decoding, or prefilling locally)
     FINISHED = "finished"
@@ -44,9 +48,8 @@ class RequestState(enum.Enum):
 
 
 _ALLOWED = {
-    RequestState.QUEUED: {RequestState.RESERVED, RequestState.RUNNING},
-    RequestState.RESERVED: {RequestState.PREFILLING, RequestState.RUNNING},
-    RequestState.PREFILLING: {RequestState.RUNNING, RequestState.RESERVED},
+    RequestState.QUEUED: {RequestState.PREFILLING, RequestState.RUNNING},
+    RequestState.PREFILLING: {RequestState.RUNNING, RequestState.QUEUED},
     RequestState.RUNNING: {RequestState.FINISHED},
 }
 
@@ -69,11 +72,12 @@ class ActiveRequest:
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     received: float = field(default_factory=time.perf_counter)
     state: RequestState = RequestState.QUEUED
-    cancelled: bool = False  # the client is gone: end it as soon as its blocks are safe to free
+    admitted: bool = False  # the scheduler gave it blocks once (it left the worker's waiting count)
+    target: WorkerInfo | None = None  # the prefill worker chosen for its next prefill
     future: Future | None = None  # the in-flight prefill call
     prefill_worker: str = ""
     prefill_address: str = ""  # where that worker serves (to tell whether it is still there)
-    backend: str = "local"
+    backend: str = LOCAL  # a transfer.backend.Backend once a prefill worker is asked; LOCAL: prefilled here
     lease_deadline: float = 0.0
     tried: list[str] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)

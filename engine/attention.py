@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 import kernels
 from kvstore import LayerKV
-from kvstore.kv_cache import KVMirror
 
 
 @dataclass
@@ -29,7 +28,6 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # (seqs,) int32
     cu_seqlens_q: torch.Tensor  # (seqs + 1,) int32
     num_decodes: int
-    mirrors: list[KVMirror] = field(default_factory=list)  # other pools some tokens must also be stored into
     max_q_len: int | None = None
 
     @property
@@ -44,7 +42,6 @@ def paged_attention(
     kv: LayerKV,
     meta: AttentionMetadata,
     scale: float,
-    layer_index: int,
 ) -> torch.Tensor:
     """Store this step's K/V in the pool, then attend: decode rows and prefill rows each by their own kernel.
 
@@ -52,12 +49,6 @@ def paged_attention(
     """
     scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale}
     kernels.store_kvcache(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, **scales)
-    for mirror in meta.mirrors:  # e.g. a decode worker's shared pool: written in place, no copy in between
-        mirror.close_expired()  # rows whose right to write there ran out mid-step store nothing from now on
-        dst = mirror.layers[layer_index]
-        kernels.store_kvcache(
-            k, v, dst.k_cache, dst.v_cache, mirror.slot_mapping, k_scale=dst.k_scale, v_scale=dst.v_scale
-        )
     nd = meta.num_decodes
     if nd == meta.num_seqs:
         return kernels.paged_decode_attention(

@@ -15,30 +15,53 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 _DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
-class EngineConfig(BaseSettings):
-    """Every engine knob; also read from ``KVSERVE_*`` environment variables."""
+class ModelSettings(BaseSettings):
+    """model: which one, and whether to load its tokenizer (the router reads both too)
+
+    Each field is also read from ``KVSERVE_<NAME>``, as in every process's options (``rpc.settings.Settings``,
+    which a process's command line overrides); unknown fields are refused.
+    """
 
     model_config = SettingsConfigDict(env_prefix="KVSERVE_", extra="forbid", protected_namespaces=())
 
-    model: str = "default"
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    block_size: int = Field(16, ge=1, le=1024)
-    num_blocks: int | None = Field(None, ge=1)
-    kv_cache_memory_bytes: int | None = Field(None, ge=1, description="KV pool byte budget (when num_blocks unset)")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    kv_cache_dtype: Literal["auto", "int8_v", "int8"] = "auto"
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(4096, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
+    model: str = Field("default", description="'default' (bundled SmolLM2-135M) or a model directory")
+    skip_tokenizer_init: bool = Field(
+        False,
+        description="load no tokenizer (a model without one): prompts must be token ids and outputs carry no text",
+    )
+
+
+class EngineConfig(ModelSettings):
+    """engine: every knob of the shared runtime"""
+
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="weights' and activations' dtype; auto: float32 on CPU, bfloat16 on CUDA"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when torch sees one")
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    num_blocks: int | None = Field(
+        None, ge=1, description="KV blocks in the pool; none: as many as the byte budget holds"
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="KV pool byte budget when num_blocks is unset; none: 1 GiB on a CPU, gpu_memory_utilization "
+        "on a GPU",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="fraction of the GPU's total memory this process may use, weights included"
+    )
+    kv_cache_dtype: Literal["auto", "int8_v", "int8"] = Field(
+        "auto", description="auto: the model's dtype; int8_v: V stored as INT8; int8: K and V as INT8"
+    )
+    max_num_seqs: int = Field(256, ge=1, description="sequences in one step")
+    max_num_batched_tokens: int = Field(4096, ge=1, description="tokens in one step")
+    max_model_len: int | None = Field(None, ge=1, description="longest sequence; none: the model's context")
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV of full blocks earlier requests computed for the same leading tokens"
     )
-    seed: int = 0
+    seed: int = Field(0, description="seed of the engine's RNG, which seeds the requests that bring none")
     shared_kv_name: str | None = Field(None, description="put the KV pool in a shared-memory file with this name")
-    skip_tokenizer_init: bool = Field(
-        False, description="load no tokenizer: prompts must be token ids and outputs carry no text"
-    )
     enforce_eager: bool = Field(
         False,
         description="run every step eagerly on its unpadded batch: no decode CUDA graphs, no padded decode path",

@@ -1,9 +1,9 @@
 """A step's model inputs: built with NumPy in one pinned host buffer, sent to the device in one copy.
 
-Every input of a step (token ids, positions, pool slots, the rows whose logits are sampled, slots in other
-pools, sequence lengths, ``cu_seqlens_q``, block tables) is a typed section of one byte buffer; the host
-fills the sections through NumPy views, one non-blocking ``copy_`` moves the used bytes, and the model reads
-typed views of the device copy. Two kinds of step use two such buffers:
+Every input of a step (token ids, positions, pool slots, the rows whose logits are sampled, sequence
+lengths, ``cu_seqlens_q``, block tables) is a typed section of one byte buffer; the host fills the sections
+through NumPy views, one non-blocking ``copy_`` moves the used bytes, and the model reads typed views of the
+device copy. Two kinds of step use two such buffers:
 
 * ``stage_step`` (prefill, mixed, or decode when padding is off): the batch is packed tightly, its block
   tables as wide as its longest one; the buffer grows when a step needs more;
@@ -26,8 +26,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.sequence import Sequence
-from kvstore import batch_slots, token_slots
-from kvstore.kv_cache import KVMirror
+from kvstore import batch_slots
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 _ALIGN = 8  # every section starts 8-byte aligned, so an int64 view of the device bytes is legal
@@ -120,16 +119,11 @@ def stage_step(
     sampled = np.flatnonzero(ends == totals)
     num_tokens = int(counts.sum())
     width = max(len(s.block_table) for s in seqs)
-    pools: dict[int, int] = {}  # id(destination layers) -> row of mirror_slots
-    for seq in seqs:
-        if seq.kv_destination is not None:
-            pools.setdefault(id(seq.kv_destination[0]), len(pools))
     host, dev, nbytes = buffer.views([
         ("input_ids", np.int64, (num_tokens,)),
         ("positions", np.int64, (num_tokens,)),
         ("slot_mapping", np.int64, (num_tokens,)),
         ("logit_rows", np.int64, (len(sampled),)),
-        ("mirror_slots", np.int64, (len(pools), num_tokens)),
         ("seq_lens", np.int32, (num_seqs,)),
         ("cu_seqlens_q", np.int32, (num_seqs + 1,)),
         ("block_tables", np.int32, (num_seqs, width)),
@@ -150,7 +144,6 @@ def stage_step(
     host["positions"][:] = positions
     host["slot_mapping"][:] = batch_slots(tables, rows, positions, block_size)
     host["logit_rows"][:] = cu[1:][sampled] - 1
-    mirrors = _stage_mirrors(host["mirror_slots"], seqs, starts, ends, cu, block_size)
     buffer.send(nbytes)
     meta = AttentionMetadata(
         slot_mapping=dev["slot_mapping"],
@@ -158,33 +151,9 @@ def stage_step(
         seq_lens=dev["seq_lens"],
         cu_seqlens_q=dev["cu_seqlens_q"],
         num_decodes=num_decodes,
-        mirrors=[KVMirror(layers, dev["mirror_slots"][row], windows) for layers, row, windows in mirrors],
         max_q_len=int(counts.max()),
     )
     return StepInputs(dev["input_ids"], dev["positions"], meta, dev["logit_rows"], sampled.tolist())
-
-
-def _stage_mirrors(out: np.ndarray, seqs, starts, ends, cu, block_size: int) -> list[tuple[list, int, list]]:
-    """Fill ``out (pools, tokens)`` with each token's slot in its sequence's destination pool, or -1; return
-    (pool layers, row of ``out``, write windows) per pool (see ``KVMirror``).
-
-    Positions below a sequence's ``num_dest_cached_tokens`` map to -1: the destination already holds them,
-    in blocks other sequences there may be reading. A sequence with a ``dest_deadline`` gets a window.
-    """
-    out.fill(-1)
-    rows: dict[int, tuple[list, int, list]] = {}
-    for i, seq in enumerate(seqs):
-        if seq.kv_destination is None:
-            continue
-        layers, dst_blocks = seq.kv_destination
-        _, row, windows = rows.setdefault(id(layers), (layers, len(rows), []))
-        first = max(int(starts[i]), seq.num_dest_cached_tokens)
-        if ends[i] > first:
-            begin = int(cu[i] + first - starts[i])
-            out[row, begin : cu[i + 1]] = token_slots(dst_blocks, first, int(ends[i]), block_size)
-            if seq.dest_deadline is not None:
-                windows.append((seq.dest_deadline, begin, int(cu[i + 1])))
-    return list(rows.values())
 
 
 class PaddedDecodeInputs:
@@ -241,11 +210,14 @@ class PaddedDecodeInputs:
         host, _, nbytes = self._layouts[bucket]
         self.buffer.wait_sent()
         n, tables = len(seqs), host["block_tables"]
+        blocks = [s.block_table for s in seqs]
+        widths = np.fromiter(map(len, blocks), np.int64, n)
+        width = int(widths.max())
+        if width > self.max_blocks_per_seq:
+            return False
+        # every table in one masked write (row-major, so in batch order), not a slice assignment per sequence
+        tables[:n, :width][np.arange(width) < widths[:, None]] = np.concatenate(blocks)
         positions = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
-        for i, seq in enumerate(seqs):
-            if len(seq.block_table) > self.max_blocks_per_seq:
-                return False
-            tables[i, : len(seq.block_table)] = seq.block_table
         host["input_ids"][:n] = [s.token_ids[s.num_computed_tokens] for s in seqs]
         host["positions"][:n] = positions
         host["slot_mapping"][:n] = batch_slots(tables, self._arange[:n], positions, block_size)

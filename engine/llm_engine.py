@@ -4,7 +4,10 @@ A request's life: ``add_request`` validates it, tokenizes it and queues a
 ``Sequence`` (WAITING). Each ``step`` asks the scheduler for a batch, runs it,
 appends the sampled tokens, checks stop conditions and frees the blocks of
 whatever finished. ``abort`` ends a request at once and frees its blocks.
-The decode worker drives an engine through exactly these three calls.
+Both workers drive an engine through exactly these three calls; what they do
+with KV outside this engine's pool (a prefill worker's hand-off, a decode
+worker's remote prefill) is their KV connector's business (``connect``,
+``engine.kv_connector``), never the engine's.
 
 Prefix caching: a request starts after the longest cached run of full blocks
 of its tokens (``RequestOutput.num_cached_tokens``); every full block, output
@@ -19,15 +22,15 @@ import itertools
 from engine.bundled import resolve_model
 from engine.config import EngineConfig, ModelConfig
 from engine.continuation import Continuation, check_continuation, resume
-from engine.kv_destination import check_destination, dest_expired, exchange_prefix
+from engine.kv_connector import TRANSFER_EXPIRED, KVConnector
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, StepError
 from engine.sampling_params import SamplingParams, check_token_ids
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvstore import BlockManager
-from kvstore.transfer import fingerprint
+from kvstore.layout import fingerprint
 
 Prompt = str | list[int]
 
@@ -49,7 +52,9 @@ class LLMEngine:
         self.prefix_salt = fingerprint(self.model_config.architecture, self.runner.kv_spec)
         caching, salt = self.config.enable_prefix_caching, self.prefix_salt
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_caching=caching, salt=salt)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.connector = KVConnector()
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                   self.connector)  # fmt: skip
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -58,6 +63,12 @@ class LLMEngine:
 
     def close(self) -> None:
         self.runner.close()
+
+    def connect(self, connector: KVConnector) -> None:
+        """Route KV to and from outside through ``connector`` from now on (before the first request)."""
+        if self._sequences:
+            raise ValueError("connect a KV connector before adding requests")
+        self.connector = self.scheduler.connector = connector
 
     # -- requests -----------------------------------------------------------------------------------------
 
@@ -95,32 +106,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
-        kv_destination: tuple[list, list[int]] | None = None,
-        hold_blocks: bool = False,
-        num_dest_cached_tokens: int = 0,
-        read_dest_prefix: bool = False,
-        dest_deadline: float | None = None,
         continuation: Continuation | None = None,
+        kv_params: object = None,
     ) -> str:
-        """Queue a request. ``hold_blocks`` keeps its blocks after it finishes until ``release``.
-        ``continuation`` goes on from output another worker already streamed (``engine.continuation``).
-
-        ``kv_destination`` = (another pool's layers, that pool's whole block table for this prompt): positions
-        ``num_dest_cached_tokens..`` of the prompt (that pool holds the rest; a multiple of the block size) end
-        up there. Positions this engine computes are stored there as they are computed; those it found in its
-        own prefix cache are copied block by block from its pool when the request is admitted. With
-        ``read_dest_prefix`` the table's first entries are the blocks holding that pool's prefix, which this
-        engine copies in (read only) instead of computing it (``engine.kv_destination``). From ``dest_deadline``
-        (``time.monotonic()``) on it neither reads nor writes there and the request ends as ``dest_expired``.
-        """
-        seq = self._new_sequence(prompt, params, request_id, continuation=continuation)
-        check_destination(kv_destination, num_dest_cached_tokens, read_dest_prefix, seq.num_tokens,
-                          self.config.block_size)  # fmt: skip
-        seq.kv_destination = kv_destination
-        seq.num_dest_cached_tokens = num_dest_cached_tokens
-        seq.read_dest_prefix = read_dest_prefix
-        seq.dest_deadline = dest_deadline
-        seq.hold_blocks = hold_blocks
+        """Queue a request. ``continuation`` goes on from output another worker already streamed
+        (``engine.continuation``); ``kv_params`` is the KV connector's data about it (``Sequence.kv_params``)."""
+        seq = self._new_sequence(prompt, params, request_id, continuation)
+        seq.kv_params = kv_params
         self._sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
@@ -130,13 +122,12 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams | None,
         request_id: str | None,
-        reserved: bool = False,
         continuation: Continuation | None = None,
     ) -> Sequence:
         params = params or SamplingParams()
         ids = self.validate(prompt, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._sequences or (self.block_manager.has(request_id) and not reserved):
+        if request_id in self._sequences or self.block_manager.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(
             seq_id=request_id,
@@ -150,48 +141,10 @@ class LLMEngine:
             resume(seq, continuation)
         return seq
 
-    # -- KV computed elsewhere (the decode worker's side of disaggregated prefill) ------------------------
-
-    def reserve(self, request_id: str, prompt_token_ids: list[int]) -> tuple[list[int], int] | None:
-        """Allocate blocks for a prompt another worker will prefill: (block table, num_cached_tokens), or None
-        when the pool cannot hold it now. The table starts with this engine's cached blocks for the longest
-        cached prefix (at least one token is left to compute): the prefiller must fill positions
-        ``num_cached_tokens..`` only. The other blocks stay unfindable until ``add_prefilled``."""
-        if self.block_manager.has(request_id):
-            raise ValueError(f"request id {request_id!r} already holds blocks")
-        cached = self.block_manager.match_prefix(prompt_token_ids)
-        if not self.block_manager.allocate(request_id, len(prompt_token_ids), cached):
-            return None
-        return self.block_manager.block_table(request_id), self.block_manager.num_cached_tokens(request_id)
-
     def release(self, request_id: str) -> None:
-        """Free blocks held for ``request_id`` (a reservation, or a finished ``hold_blocks`` request). A
-        reservation released unfilled makes nothing findable: its KV may be garbage."""
+        """Free the blocks a finished request kept because its KV connector asked (``request_finished``)."""
         if request_id not in self._sequences:
             self.block_manager.free(request_id)
-
-    def add_prefilled(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        first_token: int,
-        continuation: Continuation | None = None,
-    ) -> RequestOutput:
-        """Start decoding a request whose prompt KV (and a ``continuation``'s output KV) was written into its
-        reserved blocks elsewhere; its full blocks become findable in the prefix cache. With the same seed, its
-        next tokens continue the random stream the prefiller drew ``first_token`` from (the sampler's noise is
-        keyed by seed and position)."""
-        if not self.block_manager.has(request_id):
-            raise ValueError(f"request {request_id!r} has no reserved blocks")
-        seq = self._new_sequence(prompt_token_ids, params, request_id, reserved=True, continuation=continuation)
-        seq.block_table = self.block_manager.block_table_array(request_id)
-        seq.num_computed_tokens = seq.num_tokens
-        seq.num_cached_tokens = self.block_manager.num_cached_tokens(request_id)
-        self.block_manager.cache_full_blocks(request_id, seq.token_ids, seq.num_computed_tokens)
-        self._sequences[request_id] = seq
-        self.scheduler.add_running(seq)
-        return self._append_token(seq, first_token)
 
     def abort(self, request_id: str) -> bool:
         """End a request now and free its blocks; False when it is unknown or already finished."""
@@ -203,6 +156,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def has_running_requests(self) -> bool:
+        """Whether a step would run a batch now (requests waiting for blocks or for remote KV run none)."""
+        return bool(self.scheduler.running)
 
     # -- prefix cache events (for the cluster's prefix index) ---------------------------------------------
 
@@ -218,24 +175,29 @@ class LLMEngine:
     # -- the loop -----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; an output for each request that got a token or ended (``dest_expired``). Raises StepError."""
+        """Run one batch, then take in the KV loads that finished; an output for each request that got a token
+        or ended (``kv_transfer_expired``). Raises StepError (the loads then wait for the next step)."""
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
+        outputs = self._run(batch) if batch.seqs else []
+        for seq, token in self.scheduler.finish_loads(self.connector.finished_loads()):
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            outputs.append(self._append_token(seq, token))
+        return outputs
+
+    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         try:
-            for seq in batch.admitted:
-                if seq.kv_destination is not None:
-                    own_cached = self.block_manager.num_cached_tokens(seq.seq_id)
-                    exchange_prefix(seq, self.runner.kv_cache.layers, own_cached, self.config.block_size)
+            self.connector.start_loads(batch.admitted)
             tokens = self.runner.execute(batch)
+            failed = self.connector.save(batch.seqs, batch.num_new_tokens)
         except Exception as err:
             raise StepError([seq.seq_id for seq in batch.seqs], err) from err
         outputs = []
+        for seq in failed:  # its KV may be incomplete there, or was read past the right to: keep nothing
+            self.scheduler.finish(seq, TRANSFER_EXPIRED)
+            self._sequences.pop(seq.seq_id, None)
+            outputs.append(self._output(seq, []))
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens, strict=True):
-            if dest_expired(seq):  # the step may have stopped short there, or read past the right: keep nothing
-                self.scheduler.finish(seq, "dest_expired")
-                self._sequences.pop(seq.seq_id, None)
-                outputs.append(self._output(seq, []))
+            if seq.is_finished:
                 continue
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
@@ -264,7 +226,8 @@ class LLMEngine:
             if hits:
                 detok.truncate(detok.num_chars - len(tail) + min(hits))
                 return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        num_tokens = len(seq.token_ids)
+        if num_tokens - len(seq.prompt_token_ids) >= params.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
 
@@ -272,8 +235,9 @@ class LLMEngine:
         detok = seq.detokenizer
         # While running, hold back text that could still turn out to be the start of a stop string,
         # so that the concatenated deltas always equal the final text.
-        holdback = max((len(s) - 1 for s in seq.params.stop), default=0)
-        upto = detok.num_chars if seq.is_finished else max(seq.num_emitted_chars, detok.num_chars - holdback)
+        stop, finished = seq.params.stop, seq.is_finished
+        holdback = max(map(len, stop)) - 1 if stop else 0
+        upto = detok.num_chars if finished else max(seq.num_emitted_chars, detok.num_chars - holdback)
         new_text = detok.slice(seq.num_emitted_chars, upto)
         seq.num_emitted_chars = upto
         return RequestOutput(
@@ -281,12 +245,12 @@ class LLMEngine:
             prompt_token_ids=seq.prompt_token_ids,
             new_token_ids=new_token_ids,
             new_text=new_text,
-            finished=seq.is_finished,
+            finished=finished,
             finish_reason=seq.finish_reason,
             num_preemptions=seq.num_preemptions,
             num_cached_tokens=seq.num_cached_tokens,
-            num_dest_read_tokens=seq.num_dest_read_tokens,
-            num_output_tokens=seq.num_output_tokens,
+            num_external_tokens=seq.num_external_tokens,
+            num_output_tokens=len(seq.token_ids) - len(seq.prompt_token_ids),
             _seq=seq,
             _num_chars=detok.num_chars,
         )

@@ -76,9 +76,8 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -94,7 +93,7 @@ class Attention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)  # (tokens, kv_heads, head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         q, k = kernels.rotary_embedding(q, k, cos_sin)
-        out = paged_attention(q, k, v, kv, meta, self.scale, self.layer_index)
+        out = paged_attention(q, k, v, kv, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -112,9 +111,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_index)
+        self.self_attn = Attention(config)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -144,7 +143,7 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -4,9 +4,8 @@ Per step the host writes the batch's inputs with NumPy into a pinned buffer and 
 (``engine.input_batch``), runs the model, samples on the device and reads the tokens back in one copy.
 A decode-only batch is padded to a bucket size and runs over fixed input addresses: on CUDA by replaying
 that bucket's captured graph (``engine.cuda_graph``), elsewhere eagerly, so the CPU suite runs the same
-path. Prefill and mixed steps, decode batches past the largest bucket, and steps that also store KV into
-another pool (a prefill worker's mirrors) run eagerly on a tightly packed batch; ``enforce_eager`` runs
-every step that way.
+path. Prefill and mixed steps and decode batches past the largest bucket run eagerly on a tightly packed
+batch; ``enforce_eager`` runs every step that way.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from kvstore import KVCache, KVCacheSpec
-from kvstore.transfer import create_shared_pool
+from kvstore.shared_pool import create_shared_pool
 
 _INITIAL_STAGING_BYTES = 1 << 20  # grows on demand
 
@@ -107,7 +106,7 @@ class ModelRunner:
         None when the batch must run eagerly instead."""
         inputs = self.decode_inputs
         bucket = None if inputs is None else inputs.bucket_for(len(seqs))
-        if bucket is None or any(s.kv_destination is not None for s in seqs):
+        if bucket is None:
             return None
         if not inputs.stage(bucket, seqs, self.block_size):
             return None
@@ -124,7 +123,7 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Sample on the device, then read the tokens back in one copy (into pinned memory on CUDA)."""
         tokens = self.sampler(logits, seqs)
-        if self._tokens_host.shape[0] < len(seqs):  # more running than max_num_seqs (add_running) can happen
+        if self._tokens_host.shape[0] < len(seqs):  # a batch wider than max_num_seqs: grow (never expected)
             self._tokens_host = self._pinned_tokens(2 * len(seqs))
         host = self._tokens_host[: len(seqs)]
         host.copy_(tokens, non_blocking=True)

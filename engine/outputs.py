@@ -24,7 +24,7 @@ class RequestOutput:
     finish_reason: str | None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
-    num_dest_read_tokens: int = 0  # prompt tokens whose KV was read from the kv_destination (first admission)
+    num_external_tokens: int = 0  # tokens whose KV the KV connector loaded from outside (first admission)
     num_output_tokens: int = 0
     _seq: Sequence | None = field(default=None, repr=False, compare=False)
     _num_chars: int = 0

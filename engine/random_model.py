@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-# Shapes from the published config.json of Qwen2-0.5B-Instruct and Llama-3.2-1B.
+# Shapes from the published config.json of Qwen2-0.5B-Instruct and Llama-3.2-1B; ``qwen2-tiny`` is a Qwen2 of
+# width 64 and 2 layers whose step is mostly host work (``kvserve bench offline --tiny``).
 PRESETS: dict[str, dict] = {
     "qwen2-0.5b": dict(
         model_type="qwen2",
@@ -54,6 +55,11 @@ PRESETS: dict[str, dict] = {
         bos_token_id=128000,
         eos_token_id=128001,
     ),
+}
+PRESETS["qwen2-tiny"] = {  # Qwen2's layout, shrunk; no special token ids (those would be past its vocabulary)
+    **{key: value for key, value in PRESETS["qwen2-0.5b"].items() if not key.endswith("token_id")},
+    **dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+           max_position_embeddings=4096),
 }
 
 

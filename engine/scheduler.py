@@ -5,14 +5,26 @@ go first, in the order they were admitted: a decoding sequence takes one
 token, a sequence still in its prompt takes the next chunk of it (chunked
 prefill). When the pool has no block for a running sequence, the most recently
 admitted one is preempted: its blocks are freed and it goes back to the front
-of the waiting queue, to be recomputed later. Waiting sequences are admitted
-in arrival order while budget, sequence slots and blocks last, and not at all
-in a step that had to preempt. An admitted sequence first takes the longest
-cached prefix the block manager has for its tokens (prefix caching): those
-tokens count as computed and cost no budget, and the chunked-prefill path
-computes the rest over them. A sequence prefilled for another worker whose
-destination lets it read a longer prefix counts that one as computed instead
-(the engine copies it in before the step runs).
+of the waiting queue, to be recomputed later.
+
+Admission (the scheduler's alone: no caller keeps a queue of its own): waiting
+sequences are considered in arrival order while budget and sequence slots
+last, and not at all in a step that had to preempt. An admitted sequence first
+takes the longest cached prefix the block manager has for its tokens (prefix
+caching), then whatever the KV connector can load from outside
+(``engine.kv_connector``); those tokens count as computed and cost no budget,
+and the chunked-prefill path computes the rest over them. A sequence whose KV
+arrives asynchronously (a remote prefill) gets blocks for all its tokens and
+waits in ``WAITING_FOR_REMOTE_KV``, in no batch, until the connector reports
+the load finished: its blocks count in every later admission and it holds a
+sequence slot, but it is never a preemption victim (a writer may be filling its
+blocks).
+
+A sequence whose blocks do not fit does not block the smaller ones behind it:
+it is passed over (at most ``LOOKAHEAD`` sequences are passed per step, which
+bounds the step's prefix matching), until ``MAX_PASSED_OVER`` admissions have
+gone past it; from then on it blocks the queue until it fits, so a large
+request waits a bounded number of admissions, never forever.
 """
 
 from __future__ import annotations
@@ -20,14 +32,18 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.kv_connector import FinishedLoad, KVConnector
 from engine.sequence import Sequence, SequenceStatus
 from kvstore import Block, BlockManager
+
+LOOKAHEAD = 4  # waiting sequences passed over per step at most
+MAX_PASSED_OVER = 16  # admissions that may pass a sequence before it blocks the queue
 
 
 @dataclass
 class ScheduledBatch:
     """Decodes (one new token) first, then prefill chunks. ``admitted``: the sequences that left the waiting
-    queue this step (their cached prefix, ``num_computed_tokens`` of them, was just matched)."""
+    queue this step (their cached and loadable prefix, ``num_computed_tokens`` of them, was just matched)."""
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
@@ -40,31 +56,41 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 connector: KVConnector | None = None) -> None:  # fmt: skip
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.connector = connector or KVConnector()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.waiting_for_kv: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self._passed_over: dict[str, int] = {}  # seq id -> admissions that went past it while it did not fit
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence whose prompt KV is already in its blocks joins the running batch directly."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_kv)
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         picked: list[tuple[Sequence, int]] = []
-        admitted: list[Sequence] = []
         preempted = False
         i = 0
+        running = self.running
+        if running and len(running) <= budget and all(s.num_computed_tokens + 1 == s.num_tokens for s in running):
+            # Every running sequence decodes: one batched allocation. If one finds no block, the walk below
+            # preempts exactly as it would have (the sequences before it already hold their new block).
+            grown, starved = self.block_manager.allocate_decode([s.seq_id for s in running],
+                                                                [s.num_tokens for s in running])  # fmt: skip
+            for j in grown:
+                running[j].block_table = self.block_manager.block_table_array(running[j].seq_id)
+            if not starved:
+                picked = [(s, 1) for s in running]
+                budget -= len(running)
+                i = len(running)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -78,30 +104,72 @@ class Scheduler:
                 picked.append((seq, n))
                 budget -= n
                 i += 1
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            cached = self.block_manager.match_prefix(seq.token_ids)
-            num_cached = len(cached) * self.block_manager.block_size
-            # a prefix the destination holds and lets us read is copied in by the engine (fresh blocks past
-            # our cached ones), so it costs no budget either
-            num_start = max(num_cached, seq.num_dest_readable_tokens)
-            n = min(seq.num_tokens - num_start, budget)
-            if not self._allocate(seq, num_start + n, cached):
-                break
-            self.waiting.popleft()
-            seq.num_computed_tokens = num_start
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = num_cached
-                seq.num_dest_read_tokens = num_start - num_cached
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            admitted.append(seq)
-            picked.append((seq, n))
-            budget -= n
+        admitted = [] if preempted else self._admit(budget, picked)
         decodes = [(s, n) for s, n in picked if n == 1]
         prefills = [(s, n) for s, n in picked if n != 1]
         ordered = decodes + prefills
         return ScheduledBatch([s for s, _ in ordered], [n for _, n in ordered], len(decodes), admitted)
+
+    def _admit(self, budget: int, picked: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """Admit waiting sequences (see the module's docstring); add the ones that compute to ``picked``."""
+        admitted: list[Sequence] = []
+        passed: list[Sequence] = []
+        while self.waiting and len(passed) < LOOKAHEAD and self._num_slots_used() < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.block_manager.match_prefix(seq.token_ids)
+            num_cached = len(cached) * self.block_manager.block_size
+            num_external, later = self.connector.num_external_tokens(seq, num_cached)
+            num_start = num_cached + num_external
+            n = 0 if later else min(seq.num_tokens - num_start, budget)
+            if not later and n == 0:
+                break  # no budget left
+            if not self._allocate(seq, seq.num_tokens if later else num_start + n, cached):
+                if self._passed_over.get(seq.seq_id, 0) >= MAX_PASSED_OVER:
+                    break  # it has waited long enough: nothing goes ahead of it any more
+                passed.append(self.waiting.popleft())
+                continue
+            self.waiting.popleft()
+            for other in passed:
+                self._passed_over[other.seq_id] = self._passed_over.get(other.seq_id, 0) + 1
+            self._passed_over.pop(seq.seq_id, None)
+            seq.num_computed_tokens = num_cached if later else num_start
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens, seq.num_external_tokens = num_cached, num_external
+            if later:
+                seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+                self.waiting_for_kv[seq.seq_id] = seq
+            else:
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                admitted.append(seq)
+                picked.append((seq, n))
+                budget -= n
+            self.connector.after_allocate(seq, num_external)
+        self.waiting.extendleft(reversed(passed))
+        return admitted
+
+    def _num_slots_used(self) -> int:
+        return len(self.running) + len(self.waiting_for_kv)
+
+    def finish_loads(self, loads: list[FinishedLoad]) -> list[tuple[Sequence, int]]:
+        """Apply finished asynchronous loads: a loaded sequence runs (all its tokens computed); one whose load
+        failed goes back to the front of the waiting queue. Returns (loaded sequence, its first token)."""
+        loaded = []
+        for load in loads:
+            seq = self.waiting_for_kv.pop(load.seq_id, None)
+            if seq is None:  # ended meanwhile
+                continue
+            if load.first_token is None:
+                self._free(seq)
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)
+            else:
+                seq.num_computed_tokens = seq.num_tokens
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                loaded.append((seq, load.first_token))
+        return loaded
 
     def _allocate(self, seq: Sequence, num_tokens: int, cached: list[Block] | None = None) -> bool:
         if not self.block_manager.allocate(seq.seq_id, num_tokens, cached or ()):
@@ -109,9 +177,12 @@ class Scheduler:
         seq.block_table = self.block_manager.block_table_array(seq.seq_id)  # O(1): a view, not a copy
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _free(self, seq: Sequence) -> None:
         self.block_manager.free(seq.seq_id)
         seq.block_table = self.block_manager.block_table_array(seq.seq_id)  # empty now
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -119,13 +190,15 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Take ``seq`` out of whichever queue holds it and free its blocks."""
-        if seq in self.running:
+        """Take ``seq`` out of whichever queue holds it and free its blocks (unless the connector keeps them)."""
+        if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
+            del self.waiting_for_kv[seq.seq_id]
+        elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        if not seq.hold_blocks:
-            self.block_manager.free(seq.seq_id)
-            seq.block_table = self.block_manager.block_table_array(seq.seq_id)  # empty now
+            self._passed_over.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if not self.connector.request_finished(seq):
+            self._free(seq)

@@ -1,9 +1,10 @@
-"""A request's state as it moves through the engine: waiting -> running -> finished."""
+"""A request's state as it moves through the engine: waiting [-> waiting for remote KV] -> running -> finished."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -13,6 +14,7 @@ from engine.tokenizer import IncrementalDetokenizer
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks allocated, its KV arriving from outside
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -23,12 +25,11 @@ class Sequence:
 
     Invariant: ``num_computed_tokens <= num_tokens``; a running sequence holds
     blocks for at least its first ``num_computed_tokens`` tokens. Admission
-    starts ``num_computed_tokens`` at the longer of the cached prefix it found
-    and ``num_dest_readable_tokens`` (a multiple of the block size, less than
-    ``num_tokens``); the engine fills those blocks before the step runs.
-    Preemption resets it to 0 and keeps the tokens, so the sequence is
-    recomputed (from whatever is still cached or readable) from its prompt and
-    the output it already has.
+    starts ``num_computed_tokens`` after the cached prefix it found plus the
+    tokens the KV connector loads from outside (``num_external_tokens``, counted
+    at the first admission). Preemption resets it to 0 and keeps the tokens, so
+    the sequence is recomputed (from whatever is still cached or loadable) from
+    its prompt and the output it already has.
     """
 
     seq_id: str
@@ -45,19 +46,8 @@ class Sequence:
     num_preemptions: int = 0
     num_emitted_chars: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
-    # Prefill for another worker: positions from ``num_dest_cached_tokens`` on (that worker already holds the
-    # rest) must end up in ``kv_destination`` = (that worker's pool layers, its whole block table for this
-    # sequence); ``hold_blocks`` keeps our own blocks after finishing until the caller releases them. With
-    # ``read_dest_prefix`` the table's first ``num_dest_cached_tokens // block_size`` entries are real blocks
-    # holding that prefix's KV, which admission copies into our own blocks instead of computing it
-    # (``engine.kv_destination``); ``num_dest_read_tokens`` counts them at the first admission. From
-    # ``dest_deadline`` (``time.monotonic()``) on, the destination is neither read nor written.
-    kv_destination: tuple[list, list[int]] | None = None
-    num_dest_cached_tokens: int = 0
-    read_dest_prefix: bool = False
-    num_dest_read_tokens: int = 0
-    dest_deadline: float | None = None
-    hold_blocks: bool = False
+    num_external_tokens: int = 0  # tokens the KV connector loaded from outside at the first admission
+    kv_params: Any = None  # the KV connector's own data about this request; the engine never reads it
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -66,11 +56,6 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def num_dest_readable_tokens(self) -> int:
-        """Leading tokens admission may count as computed because the destination's KV of them can be read."""
-        return self.num_dest_cached_tokens if self.read_dest_prefix else 0
 
     @property
     def num_prompt_tokens(self) -> int:

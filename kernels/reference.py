@@ -80,49 +80,70 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence over its whole paged KV: ``q [num_seqs, num_q_heads, head_dim]``.
 
-    Sequences are sorted by length and gathered in groups of ``_DECODE_GROUP``,
-    each padded only to its own longest member and masked: one gather and one
-    fused attention call per group, and little memory spent on padding. A
+    Sequences whose lengths lie within a factor of two of each other (``(2**(c-1), 2**c]``) are attended
+    together: one gather of their blocks, padded to the longest, and one SDPA call (masked when lengths
+    differ), so padding never more than doubles the tokens read, and a batch of similar lengths costs one
+    gather and one call (a group is split only to keep one gather under ``_MAX_GATHER_ELEMENTS``). A
     sequence of length 0 (batch padding) gets a zero output.
     """
     lens = seq_lens.to(q.device).long()
-    if q.shape[0] <= _DECODE_GROUP:
+    groups = _length_groups(lens, k_cache.shape[2] * k_cache.shape[3])
+    if len(groups) == 1 and groups[0] is None:
         return _decode_group(q, k_cache, v_cache, block_tables, lens, scale, k_scale, v_scale)
-    out = torch.empty_like(q)
-    order = torch.argsort(lens)
-    for start in range(0, q.shape[0], _DECODE_GROUP):
-        idx = order[start : start + _DECODE_GROUP]
-        out[idx] = _decode_group(q[idx], k_cache, v_cache, block_tables[idx], lens[idx], scale, k_scale, v_scale)
+    out = torch.zeros_like(q)
+    for rows in groups:
+        out[rows] = _decode_group(q[rows], k_cache, v_cache, block_tables[rows], lens[rows], scale, k_scale, v_scale)
     return out
 
 
-_DECODE_GROUP = 16
+_MAX_GATHER_ELEMENTS = 1 << 24  # per K (and per V) gather of one group: 64 MiB in float32
+
+
+def _length_groups(lens: torch.Tensor, elements_per_token: int) -> list[torch.Tensor | None]:
+    """Row indices of each group of non-empty sequences of the same length class ``ceil(log2(len))``, each
+    cut to fit ``_MAX_GATHER_ELEMENTS`` once padded; ``[None]`` when the whole batch can be one group (no
+    empty sequence, the longest at most twice the shortest, one gather)."""
+    min_len, max_len = int(lens.min()), int(lens.max())
+    if max_len == 0:
+        return []
+    fits = lens.shape[0] * max_len * elements_per_token <= _MAX_GATHER_ELEMENTS
+    if 0 < min_len and max_len <= 2 * min_len and fits:
+        return [None]  # the common case, e.g. a decode batch of similar lengths: no class to work out
+    live = lens > 0
+    classes = torch.where(live, torch.log2(lens.clamp(min=1).double()).ceil().long(), -1)
+    groups = []
+    for length_class in torch.unique(classes[live]).tolist():
+        rows = torch.nonzero(classes == length_class).flatten()
+        rows_per_gather = max(1, _MAX_GATHER_ELEMENTS // ((1 << length_class) * elements_per_token))
+        groups.extend(rows.split(rows_per_gather))
+    return groups
 
 
 def _decode_group(q, k_cache, v_cache, block_tables, lens, scale, k_scale, v_scale) -> torch.Tensor:
-    num_seqs = q.shape[0]
-    block_size = k_cache.shape[1]
-    max_len = int(lens.max()) if num_seqs else 0
-    if max_len == 0:
-        return torch.zeros_like(q)
+    """Attention of ``q (seqs, q_heads, dim)`` over each sequence's first ``lens`` tokens (all > 0)."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_len = int(lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
     # Table entries past a sequence's last block may hold anything (even out-of-range ids): read block 0 there.
     owned = torch.arange(num_blocks, device=q.device)[None, :] < (lens[:, None] + block_size - 1) // block_size
     blocks = torch.where(owned, block_tables[:, :num_blocks].long(), 0)
     k = _gather_batch(k_cache, k_scale, blocks, max_len, torch.float32)  # (seqs, len, kv_heads, dim)
     v = _gather_batch(v_cache, v_scale, blocks, max_len, torch.float32)
-    valid = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]
-    valid[:, 0] |= lens == 0  # an empty sequence attends to a dummy key; its output is zeroed below
+    mask = None
+    if int(lens.min()) < max_len:
+        mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None])[:, None, None, :]  # (seqs,1,1,len)
+    # Query head h reads KV head h // group (as enable_gqa does): the group's queries become query rows of
+    # their KV head, so no KV is repeated or expanded.
+    group = num_q_heads // num_kv_heads
     out = F.scaled_dot_product_attention(
-        q.float()[:, :, None, :],  # (seqs, q_heads, 1, dim)
+        q.float().view(num_seqs, num_kv_heads, group, head_dim),  # (seqs, kv_heads, group, dim)
         k.transpose(1, 2),  # (seqs, kv_heads, len, dim), a strided view: no copy
         v.transpose(1, 2),
-        attn_mask=valid[:, None, None, :],
+        attn_mask=mask,
         scale=scale,
-        enable_gqa=True,
     )
-    out = out[:, :, 0].masked_fill((lens == 0)[:, None, None], 0.0)
-    return out.to(q.dtype)
+    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
 
 
 def _gather_batch(cache, scale, blocks, length, dtype):

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import grpc
 
     from kvserve.cluster import Cluster
+    from kvserve.settings import UpSettings
     from rpc.auth import Security
 
 
@@ -38,27 +40,21 @@ def _demo(args: argparse.Namespace) -> None:
     demo_main(args.model)
 
 
-def _cluster_security(args: argparse.Namespace) -> tuple[Security, list[str]]:
-    """The launcher's credentials and the security flags for its children (``--tls-*`` reach the router only).
-    Without a token (environment or file) a random one is made, so internal calls are authenticated unless
-    ``--insecure-internal`` is given."""
-    import os
+def _cluster_security(up: UpSettings) -> Security:
+    """The launcher's credentials. Without a token (environment or file) a random one is made, so internal
+    calls are authenticated unless ``--insecure-internal`` is given."""
     import secrets
 
-    from rpc.auth import TOKEN_ENV, load_token, security_from_args
+    from rpc.auth import TOKEN_ENV, load_token, security_from_settings
 
-    if args.cluster_certs:
+    if up.cluster_certs:
         raise ValueError("kvserve up makes its children's cluster certificates itself: drop --cluster-certs")
-    if not args.insecure_internal and load_token(args.cluster_token_file) is None:
+    if not up.insecure_internal and load_token(up.cluster_token_file) is None:
         os.environ[TOKEN_ENV] = secrets.token_urlsafe(32)  # reaches the children through their environment
-    argv = ["--insecure-internal"] if args.insecure_internal else []
-    for name in ("tls_cert", "tls_key", "tls_ca"):
-        if getattr(args, name):
-            argv += [f"--{name.replace('_', '-')}", os.path.abspath(getattr(args, name))]
-    return security_from_args(args), argv
+    return security_from_settings(up)
 
 
-def _up(args: argparse.Namespace) -> None:
+def _up(up: UpSettings) -> None:
     """Start the cluster, print one line per process, then supervise it until SIGINT/SIGTERM/SIGHUP (exit 0
     after stopping everything) or until it cannot be kept running (``ClusterFailed``: exit 1)."""
     import logging
@@ -67,14 +63,13 @@ def _up(args: argparse.Namespace) -> None:
 
     from kvserve.cluster import start_cluster
     from kvserve.supervisor import Supervisor
-    from rpc.flags import engine_args_to_argv
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kvserve %(levelname)s %(message)s")
-    if args.redis_tcp and args.redis_url:
+    if up.redis_tcp and up.redis_url:
         raise ValueError("--redis-tcp is for the embedded Redis, and --redis-url (or $KVSERVE_REDIS_URL) names another")
-    security, security_argv = _cluster_security(args)
-    _warn_of_a_password_on_the_command_line(args.redis_url)
-    print(f"kvserve: starting {args.prefill} prefill + {args.decode} decode workers and a router...", flush=True)
+    security = _cluster_security(up)
+    _warn_of_a_password_on_the_command_line(up.redis_url)
+    print(f"kvserve: starting {up.prefill} prefill + {up.decode} decode workers and a router...", flush=True)
 
     def interrupt(*_) -> None:
         raise KeyboardInterrupt
@@ -82,17 +77,13 @@ def _up(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):  # during start-up, like Ctrl-C: start_cluster stops what it began
         signal.signal(sig, interrupt)
     try:
-        cluster = start_cluster(num_prefill=args.prefill, num_decode=args.decode, port=args.port,
-                                http_port=args.http_port, redis_url=args.redis_url,
-                                engine_argv=engine_args_to_argv(args),
-                                prefill_gpu_memory_utilization=args.prefill_gpu_memory_utilization,
-                                decode_gpu_memory_utilization=args.decode_gpu_memory_utilization, security=security,
-                                security_argv=security_argv, threads=args.threads,
-                                drain_timeout_s=args.drain_timeout, log_dir=args.log_dir,
-                                router_argv=["--migrate-streams", str(args.migrate_streams).lower(),
-                                             "--stream-idle-timeout", str(args.stream_idle_timeout)],
-                                api_key=args.api_key, internal_tls=args.internal_tls,
-                                redis_tcp=args.redis_tcp)  # fmt: skip
+        cluster = start_cluster(num_prefill=up.prefill, num_decode=up.decode, port=up.port, http_port=up.http_port,
+                                redis_url=up.redis_url, engine_argv=up.engine_argv(),
+                                prefill_gpu_memory_utilization=up.prefill_gpu_memory_utilization,
+                                decode_gpu_memory_utilization=up.decode_gpu_memory_utilization, security=security,
+                                security_argv=up.security_argv(), threads=up.threads,
+                                drain_timeout_s=up.drain_timeout, log_dir=up.log_dir, router_argv=up.router_argv(),
+                                api_key=up.api_key, internal_tls=up.internal_tls, redis_tcp=up.redis_tcp)  # fmt: skip
     except KeyboardInterrupt:
         print("kvserve: interrupted during start-up; everything stopped", flush=True)
         return
@@ -105,7 +96,7 @@ def _up(args: argparse.Namespace) -> None:
         print(f"kvserve: serving kvserve.v1.Inference on {cluster.endpoint} (Redis: {redis}); Ctrl-C stops", flush=True)
         if cluster.http_endpoint:
             print(f"kvserve: OpenAI-compatible API on {cluster.http_endpoint}/v1", flush=True)
-        Supervisor(cluster).run(stop)
+        Supervisor(cluster.units()).run(stop)
     finally:
         cluster.stop()
     print("kvserve: cluster stopped", flush=True)
@@ -115,7 +106,7 @@ def _warn_of_a_password_on_the_command_line(redis_url: str | None) -> None:
     """The children get the URL through their environment, but ours is the command line the user typed."""
     from urllib.parse import urlsplit
 
-    from rpc.flags import REDIS_URL_ENV
+    from rpc.options import REDIS_URL_ENV
 
     if redis_url and redis_url != os.environ.get(REDIS_URL_ENV) and urlsplit(redis_url).password:
         print(f"kvserve: warning: the Redis password in --redis-url is visible to every local user (ps) while "
@@ -124,7 +115,7 @@ def _warn_of_a_password_on_the_command_line(redis_url: str | None) -> None:
 
 def _describe_redis(cluster: Cluster) -> str:
     """Where the cluster's Redis is, without its password."""
-    from kvstore.redis_link import redact
+    from cluster_state.redis_link import redact
 
     redis = cluster.redis
     if redis is None:
@@ -179,6 +170,12 @@ def main(argv: list[str] | None = None) -> None:
 
         importlib.import_module(f"kvserve.bench.{argv[1].replace('-', '_')}").main(argv[2:])
         return
+    if argv[:1] == ["up"]:  # its flags come from its settings model (``kvserve.settings``)
+        from kvserve import settings
+        from rpc.settings import parse_settings
+
+        _run(_up, parse_settings(settings.UpSettings, argv[1:], "kvserve up", settings.__doc__, settings.UP_SET_FIELDS))
+        return
     parser = argparse.ArgumentParser(prog="kvserve", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -203,47 +200,7 @@ def main(argv: list[str] | None = None) -> None:
 
     sub.add_parser("bench", help=f"benchmarks: 'kvserve bench {'|'.join(BENCHES)} --help'")
 
-    from rpc.auth import add_security_args
-    from rpc.flags import REDIS_URL_ENV, add_engine_args, boolean_flag
-
-    up = sub.add_parser("up", help="start a local cluster: Redis, prefill and decode workers, router")
-    up.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
-    up.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    up.add_argument("--port", type=int, default=50051, help="the router's port (workers use the next ports)")
-    up.add_argument("--http-port", type=int, default=8000, help="the router's OpenAI-compatible HTTP API; 0: none")
-    up.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or None,
-                    help=f"an existing Redis (default: ${REDIS_URL_ENV}, the place for a password; else an "
-                         "embedded one on a unix socket only this cluster can use, with a generated "
-                         "password)")  # fmt: skip
-    up.add_argument("--redis-tcp", action="store_true",
-                    help="the embedded Redis also listens on a TCP port of 127.0.0.1 (still with its "
-                         "password)")  # fmt: skip
-    up.add_argument("--threads", type=int, default=None,
-                    help="torch threads per compute worker (default: host cores / compute workers)")  # fmt: skip
-    up.add_argument("--drain-timeout", type=float, default=30.0,
-                    help="seconds a stopping worker may finish its requests before it is killed")  # fmt: skip
-    up.add_argument("--stream-idle-timeout", type=float, default=30.0,
-                    help="seconds a streaming client may read nothing before the router cancels its stream; 0: no "
-                         "limit")  # fmt: skip
-    up.add_argument("--migrate-streams", type=boolean_flag, default=True,
-                    help="the router continues a stream on another decode worker when its own dies or drains "
-                         "mid-stream (true|false)")  # fmt: skip
-    up.add_argument("--log-dir", default=None, help="one <name>.log per process (default: the launcher's stderr)")
-    up.add_argument("--api-key", default=None,
-                    help="clients of the router must send 'Authorization: Bearer <key>'; it reaches the router "
-                         "through its environment (default: $KVSERVE_API_KEY, which ps does not show)")  # fmt: skip
-    up.add_argument("--prefill-gpu-memory-utilization", type=float, default=0.35,
-                    help="fraction of the GPU's total memory the prefill workers use together (weights "
-                         "included; split evenly; passed to each as its --gpu-memory-utilization)")  # fmt: skip
-    up.add_argument("--decode-gpu-memory-utilization", type=float, default=0.5,
-                    help="the same for the decode workers; both roles share the one GPU, so the two add up to "
-                         "at most 1")  # fmt: skip
-    up.add_argument("--internal-tls", type=boolean_flag, default=True,
-                    help="internal gRPC over mutual TLS with certificates of a cluster CA made at each start "
-                         "(true|false; false: the cluster token alone)")  # fmt: skip
-    add_security_args(up)
-    add_engine_args(up)
-    up.set_defaults(func=_up)
+    sub.add_parser("up", help="start a local cluster: Redis, prefill and decode workers, router ('kvserve up --help')")
 
     certs = sub.add_parser("certs", help="make a cluster CA, and certificates and credentials for its processes "
                                          "(containers: docker-compose.yml)")  # fmt: skip
@@ -267,12 +224,17 @@ def main(argv: list[str] | None = None) -> None:
     gen.set_defaults(func=_generate)
 
     args = parser.parse_args(argv)
-    if args.command == "bench":
-        parser.error(f"use 'kvserve bench {'|'.join(BENCHES)} [options]'")
+    if args.command in ("bench", "up"):
+        parser.error(f"use 'kvserve bench {'|'.join(BENCHES)} [options]' or 'kvserve up [options]'")
+    _run(args.func, args)
+
+
+def _run(func: Callable[[Any], None], args: object) -> None:
+    """Run a command; its errors end the process with one line: a wrong value exit 2, a failure exit 1."""
     import grpc
 
     try:
-        args.func(args)
+        func(args)
     except ValueError as err:
         print(f"kvserve: {err}", file=sys.stderr)
         sys.exit(2)

@@ -48,19 +48,22 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from decode_service.prefill_client import REFRESH_S
+from cluster_state.registry import Registry
 from engine.bundled import resolve_model
+from engine.config import ModelSettings
 from kvserve.cluster_tls import ClusterCredentials, public_security, split_public_tls
 from kvserve.processes import Child, RedisChild
 from kvserve.redis_server import EmbeddedRedis
 from kvserve.scratch import HeldDir, cluster_shm_dir, hold_dir, remove_dead_clusters, remove_if_abandoned
-from kvstore.registry import Registry
-from kvstore.transfer import SHM_DIR_ENV, remove_stale_pools
-from rpc.auth import TOKEN_ENV, TOKEN_FILE_ENV, Security
-from rpc.flags import REDIS_URL_ENV, host_cores
+from kvstore.shared_pool import SHM_DIR_ENV, remove_stale_pools
+from rpc.auth import TOKEN_ENV, Security
+from rpc.options import REDIS_URL_ENV, SecuritySettings
 from rpc.requests import API_KEY_ENV
+from rpc.settings import env_name, fields_of, settings_argv, settings_from_argv
+from rpc.threads import host_cores
 
 log = logging.getLogger(__name__)
+_WORKER_VIEWS_SETTLE_S = 1.2  # decode workers re-read the registry's prefill workers about once a second
 
 
 @dataclass
@@ -84,8 +87,9 @@ class Cluster:
         [found] = [c for c in self.children if c.name == name]
         return found
 
-    def redis_children(self) -> list[RedisChild]:
-        return [RedisChild(self.redis)] if self.redis is not None else []
+    def units(self) -> list[Child | RedisChild]:
+        """What ``kvserve.supervisor.Supervisor`` watches: every child, and the embedded Redis if any."""
+        return [*self.children, *([RedisChild(self.redis)] if self.redis is not None else [])]
 
     def lines(self) -> list[str]:
         return [child.line() for child in self.children]
@@ -159,9 +163,10 @@ def gpu_memory_shares(prefill: float, decode: float, num_prefill: int, num_decod
 
 
 def _child_env(shm_dir: Path, redis_url: str) -> dict[str, str]:
+    """Ours, less the token and security settings: children get their own (credential, ``security_argv``)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", SHM_DIR_ENV: str(shm_dir), REDIS_URL_ENV: redis_url}
-    env.pop(TOKEN_FILE_ENV, None)
-    env.pop(TOKEN_ENV, None)
+    for name in (TOKEN_ENV, *(env_name(SecuritySettings, option) for option in SecuritySettings.model_fields)):
+        env.pop(name, None)
     return env
 
 
@@ -204,9 +209,9 @@ def start_cluster(
     """
     shares = gpu_memory_shares(prefill_gpu_memory_utilization, decode_gpu_memory_utilization, num_prefill,
                                num_decode)  # fmt: skip
-    engine_argv = engine_argv or ["--model", "default"]
-    model = _flag_value(engine_argv, "--model", "default")
-    resolve_model(model)  # convert the bundled model once, before the workers race for it
+    engine_argv = engine_argv or []
+    model = settings_from_argv(ModelSettings, engine_argv)  # the router's part of the workers' options
+    resolve_model(model.model)  # convert the bundled model once, before the workers race for it
     security = security or Security(token=secrets.token_urlsafe(32))
     shared_argv, public_argv = split_public_tls(security_argv or [])
     decode_ports = [port + 10 + i for i in range(num_decode)]
@@ -249,10 +254,9 @@ def start_cluster(
             cluster.children.append(_child(name, role, f"{host}:{child_port}", argv, creds.env(role, env),
                                            creds.launcher, log_dir, f"http://{host}:{metrics_port}/metrics"))
         router_cmd = [sys.executable, "-m", "router", "--host", host, "--port", str(port),
-                      "--http-port", str(http_port), "--model", model, "--drain-timeout", str(drain_timeout_s),
-                      *shared_argv, *public_argv, *creds.argv("router", "router"), *(router_argv or [])]
-        if "--skip-tokenizer-init" in engine_argv:  # a model without a tokenizer: token-id prompts only
-            router_cmd += ["--skip-tokenizer-init", _flag_value(engine_argv, "--skip-tokenizer-init", "false")]
+                      "--http-port", str(http_port), "--drain-timeout", str(drain_timeout_s),
+                      *settings_argv(model, fields_of(ModelSettings)), *shared_argv, *public_argv,
+                      *creds.argv("router", "router"), *(router_argv or [])]  # fmt: skip
         router_metrics = f"{cluster.http_endpoint}/metrics" if cluster.http_endpoint else "-"
         router_env = creds.env("router", {**env, API_KEY_ENV: api_key} if api_key else env)
         cluster.children.append(_child("router", "router", cluster.endpoint, router_cmd, router_env,
@@ -271,12 +275,6 @@ def start_cluster(
         raise
 
 
-def _flag_value(argv: list[str], flag: str, default: str) -> str:
-    """The value after the last ``flag`` in ``argv`` (argparse's rule: the last one wins)."""
-    positions = [i for i, word in enumerate(argv[:-1]) if word == flag]
-    return argv[positions[-1] + 1] if positions else default
-
-
 def _wait_registered(url: str, security: Security, worker_ids: set[str], deadline: float) -> None:
     """Wait until the registry lists every worker, then for the decode workers' views of it to catch up, so the
     first requests already spread over every prefill worker."""
@@ -288,7 +286,7 @@ def _wait_registered(url: str, security: Security, worker_ids: set[str], deadlin
             time.sleep(0.05)
     finally:
         registry.stop()
-    time.sleep(REFRESH_S + 0.2)  # a decode worker that already knew one prefill worker looks again within REFRESH_S
+    time.sleep(_WORKER_VIEWS_SETTLE_S)  # their views cannot be read from here: wait out one refresh period
 
 
 def _child(name: str, role: str, address: str, argv: list[str], env: dict[str, str], security: Security,

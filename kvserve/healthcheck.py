@@ -8,13 +8,15 @@ still answers right if the health service is ever closed to outsiders.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import Field
 
-from rpc.auth import Security, add_security_args, security_from_args
+from rpc.auth import Security, security_from_settings
+from rpc.options import SecuritySettings
+from rpc.settings import parse_settings
 
 
 def health_status(address: str, timeout_s: float, security: Security) -> str:
@@ -29,15 +31,17 @@ def health_status(address: str, timeout_s: float, security: Security) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
+class HealthcheckSettings(SecuritySettings):
+    """health check"""
+
+    address: str = Field(description="HOST:PORT of a router, decode or prefill worker")
+    timeout: float = Field(3.0, gt=0, description="seconds to wait for the answer")
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvserve.healthcheck", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("address", help="HOST:PORT of a router, decode or prefill worker")
-    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
-    add_security_args(parser)
-    args = parser.parse_args(argv)
+    args = parse_settings(HealthcheckSettings, argv, "python -m kvserve.healthcheck", __doc__)
     try:
-        security = security_from_args(args)
+        security = security_from_settings(args)
     except ValueError as err:
         sys.exit(f"healthcheck: {err}")
     status = health_status(args.address, args.timeout, security)

@@ -1,53 +1,24 @@
-"""The cluster's child processes as the supervisor sees them, and a guard that they never outlive their launcher."""
+"""The cluster's child processes as the supervisor sees them (``kvserve.supervisor.Supervised``): a gRPC
+worker or the router (``Child``) and the embedded Redis (``RedisChild``)."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import secrets
-import signal
-import socket
 import subprocess
-import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from kvserve.supervisor import describe_exit
+from kvserve.child_process import describe_exit, die_with_parent, listens
+from kvserve.redis_server import EmbeddedRedis
+from kvstore.shared_pool import SHM_DIR_ENV, pool_file_name
 from rpc.auth import Security
 from rpc.identity import Identity
 from rpc.server import INSTANCE_ENV, wait_healthy
 
-if TYPE_CHECKING:
-    from kvserve.redis_server import EmbeddedRedis  # which imports die_with_parent from here
-
 HEALTH_PROBE_S = 0.1
-LISTEN_PROBE_S = 0.5
 _STDERR_FD = 2  # the launcher's own stderr, even where ``sys.stderr`` is replaced (pytest)
 
 log = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-# Resolved now, in the parent: between fork and exec the child may only make simple calls (a dlopen there
-# can deadlock on a lock another thread of the parent held at the fork).
-_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-
-
-def die_with_parent() -> None:
-    """``preexec_fn`` for ``subprocess.Popen``: the kernel SIGKILLs the child when its parent dies, however the
-    parent dies (SIGKILL included), so a killed launcher leaves no orphans holding ports or shared memory.
-    The kernel counts the *thread* that started the child as its parent: start children from a thread that
-    lives as long as they should (``kvserve up`` starts them all from its main thread)."""
-    if _prctl is not None and _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-
-
-def listens(host: str, port: int) -> bool:
-    """Whether some process accepts TCP connections on ``host:port`` now."""
-    try:
-        socket.create_connection((host.strip("[]"), port), timeout=LISTEN_PROBE_S).close()
-    except OSError:
-        return False
-    return True
 
 
 class Child:
@@ -96,6 +67,13 @@ class Child:
         host, port = self.address.rsplit(":", 1)
         return listens(host, int(port))
 
+    def remove_leftovers(self) -> None:
+        """Remove what the dead process left behind: a decode worker's shared-memory KV pool file, in the
+        directory its environment gave it (``SHM_DIR_ENV``), so no prefill worker maps a dead pool."""
+        shm_dir = self._env.get(SHM_DIR_ENV)
+        if self.role == "decode" and shm_dir and self.proc is not None:
+            (Path(shm_dir) / pool_file_name(self.name, self.proc.pid)).unlink(missing_ok=True)
+
     def terminate(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -135,6 +113,9 @@ class RedisChild:
 
     def port_taken(self) -> bool:  # its unix socket lies in a private directory: only its TCP port can be taken
         return self.redis.port != 0 and listens("127.0.0.1", self.redis.port)
+
+    def remove_leftovers(self) -> None:
+        """Nothing to remove: ``restart`` reuses the same scratch directory and socket path."""
 
     def kill(self) -> None:
         self.redis.stop()

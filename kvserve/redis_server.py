@@ -33,7 +33,7 @@ from urllib.parse import quote
 
 import redis
 
-from kvserve.processes import die_with_parent
+from kvserve.child_process import die_with_parent
 from kvserve.redis_binary import find_server, lockdown_config, server_binary
 from kvserve.scratch import PID_FILE, HeldDir, new_redis_dir
 

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from kvstore.private_dir import HeldDir, hold_dir, is_still, open_own_dir
-from kvstore.transfer import SHM_ROOT, pool_file_pid
+from kvstore.shared_pool import SHM_ROOT, pool_file_pid
 
 REDIS_DIR_PREFIX = "kvserve-redis-"
 PID_FILE = "server.pid"  # the pid of the process a scratch directory serves (the embedded Redis's)

@@ -15,24 +15,19 @@ prefill locally).
 Every death and restart is logged with the exit code or signal, and the seconds from the death until the
 process answered again. A process counts as answering only when the answer comes from it, not from another
 process on its port (see ``processes.Child``); a death while another process holds the port is logged as
-such, since every restart then fails with "Address already in use". A dead decode worker's shared-memory
-pool file is removed as soon as its death is noticed.
+such, since every restart then fails with "Address already in use". What a dead process leaves behind (a
+decode worker's shared-memory pool file) is removed as soon as its death is noticed.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import signal
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
-
-from kvstore.transfer import pool_file_name
-
-if TYPE_CHECKING:
-    from kvserve.cluster import Cluster
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +50,8 @@ class RestartPolicy:
 
 
 class Supervised(Protocol):
-    """What the supervisor needs of a process: see ``processes.Child`` and ``processes.RedisChild``."""
+    """What the supervisor needs of a process: see ``processes.Child`` and ``processes.RedisChild``. It imports
+    nothing of ours: the units bring everything that knows about workers, ports and pool files."""
 
     name: str
     role: str
@@ -74,13 +70,10 @@ class Supervised(Protocol):
     def port_taken(self) -> bool:
         """Whether, now that the process is dead, something else listens on its port."""
 
+    def remove_leftovers(self) -> None:
+        """Called once per death, before any restart: remove what the dead process left behind."""
+
     def kill(self) -> None: ...
-
-
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        return f"killed by {signal.Signals(-returncode).name}"
-    return f"exited with code {returncode}"
 
 
 class State(enum.Enum):
@@ -103,17 +96,18 @@ class _Track:
 
 
 class Supervisor:
-    """Watches a started cluster's processes and restarts them (one thread; see ``run``).
+    """Watches started processes (``units``, each up when given, names unique) and restarts them (one thread;
+    see ``run``). The roles decide the minimum: ``router`` and ``redis`` units are essential, and so is at
+    least one ``decode`` unit when there are any.
 
     Linux delivers a child's parent-death signal when the *thread* that started it exits, so the thread
     running ``run`` must outlive the processes it restarts: ``Cluster.stop`` ends them right after ``run``
     returns (the command line runs both on the main thread).
     """
 
-    def __init__(self, cluster: Cluster, policy: RestartPolicy | None = None) -> None:
-        self.cluster = cluster
+    def __init__(self, units: Sequence[Supervised], policy: RestartPolicy | None = None) -> None:
         self.policy = policy or RestartPolicy()
-        self.units: list[Supervised] = [*cluster.children, *cluster.redis_children()]
+        self.units = list(units)
         now = time.monotonic()
         self._tracks = {unit.name: _Track(State.UP, now) for unit in self.units}
 
@@ -153,8 +147,7 @@ class Supervisor:
 
     def _on_death(self, unit: Supervised, track: _Track, status: str, now: float) -> None:
         pid = unit.pid
-        if unit.role == "decode" and pid is not None:
-            (self.cluster.shm_dir / pool_file_name(unit.name, pid)).unlink(missing_ok=True)
+        unit.remove_leftovers()
         if unit.port_taken():
             status += "; another process holds its port (Address already in use), so it cannot serve there"
         if track.state is State.STARTING:

@@ -30,17 +30,23 @@ def token_slots(block_table: Sequence[int] | np.ndarray, start: int, end: int, b
     return batch_slots(table, np.zeros_like(positions), positions, block_size)
 
 
+_EMPTY_TABLE = np.empty(0, dtype=np.int32)
+_EMPTY_TABLE.flags.writeable = False
+
+
 @dataclass
 class _Holding:
     """One sequence's blocks, and the prefix-cache chain of its leading full blocks.
 
     ``hashes[i]`` and ``content_ids[i]`` name the prefix through block ``i`` for every block ``i`` already
     cached (``content_ids[i]`` may name an equal block another sequence computed first); they grow together.
-    ``table[:len(blocks)]`` holds the blocks' ids (its capacity doubles, so appending is amortized O(1)).
+    ``table[:len(blocks)]`` holds the blocks' ids (its capacity doubles, so appending is amortized O(1)) and
+    ``view`` is that slice, read-only, remade only when blocks are added.
     """
 
     blocks: list[Block] = field(default_factory=list)
     table: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
+    view: np.ndarray = field(default_factory=lambda: _EMPTY_TABLE)
     hashes: list[str] = field(default_factory=list)
     content_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
@@ -53,10 +59,8 @@ class _Holding:
             self.table = grown
         self.table[have:need] = [b.block_id for b in blocks]
         self.blocks.extend(blocks)
-
-
-_EMPTY_TABLE = np.empty(0, dtype=np.int32)
-_EMPTY_TABLE.flags.writeable = False
+        self.view = self.table[:need]
+        self.view.flags.writeable = False
 
 
 class BlockManager:
@@ -117,10 +121,12 @@ class BlockManager:
     def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
         """Make ``seq_id``'s blocks that are full within its first ``num_tokens`` tokens (whose KV is
         computed) findable; ``token_ids`` are the sequence's tokens. A no-op without caching."""
-        holding = self._holdings.get(seq_id)
-        if not self.enable_caching or holding is None:
+        if not self.enable_caching:
             return
+        holding = self._holdings.get(seq_id)
         bs = self.block_size
+        if holding is None or num_tokens // bs <= len(holding.content_ids):  # no block filled since the last call
+            return
         for i in range(len(holding.content_ids), num_tokens // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             [block_hash] = block_hashes(tokens, bs, self.salt, holding.hashes[-1] if i else "")
@@ -157,21 +163,55 @@ class BlockManager:
         ``cached`` (from ``match_prefix``, for a sequence that holds no blocks yet) become its first blocks,
         shared with whoever else uses them; their tokens count as computed.
         """
-        if cached and seq_id in self._holdings:
-            raise ValueError(f"{seq_id!r} already holds blocks; a cached prefix is only for a new sequence")
+        holding = self._holdings.get(seq_id)
+        if holding is not None:
+            if cached:
+                raise ValueError(f"{seq_id!r} already holds blocks; a cached prefix is only for a new sequence")
+            need = -(-num_tokens // self.block_size) - len(holding.blocks)
+            if need > self.pool.num_free_blocks:
+                return False
+            if need > 0:
+                holding.extend(self.pool.get_free_blocks(need))
+            return True
         if not self.can_allocate(seq_id, num_tokens, cached):
             return False
-        if seq_id not in self._holdings:
-            self.pool.touch(cached)
-            self._holdings[seq_id] = _Holding(
-                hashes=[b.block_hash for b in cached],
-                content_ids=[b.content_id for b in cached],
-                num_cached_tokens=len(cached) * self.block_size,
-            )
-            self._holdings[seq_id].extend(cached)
-        holding = self._holdings[seq_id]
-        holding.extend(self.pool.get_free_blocks(max(0, self.num_blocks_for(num_tokens) - len(holding.blocks))))
+        self.pool.touch(cached)
+        holding = self._holdings[seq_id] = _Holding(
+            hashes=[b.block_hash for b in cached],
+            content_ids=[b.content_id for b in cached],
+            num_cached_tokens=len(cached) * self.block_size,
+        )
+        holding.extend([*cached, *self.pool.get_free_blocks(max(0, self.num_blocks_for(num_tokens) - len(cached)))])
         return True
+
+    def allocate_decode(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+        """A decode step's allocation for a whole batch of sequences that hold blocks: grow ``seq_ids[i]``'s
+        table to cover ``num_tokens[i]`` tokens (in a decode step at most one block more).
+
+        The sequences that need blocks get them in batch order from one take off the free list, the same
+        blocks in the same order as one ``allocate`` per sequence would give, until one does not fit; it and
+        every later one that needs blocks get none and are left unchanged (all-or-nothing per sequence).
+        Returns ``(grown, starved)``: indices into ``seq_ids`` of the sequences that took blocks (their
+        ``block_table_array`` is a new view) and of those that needed blocks and got none, both ascending.
+        """
+        bs, holdings = self.block_size, self._holdings
+        needs = []  # (index, blocks it needs) of the few that need any: one step in block_size fills a block
+        for i, (seq_id, n) in enumerate(zip(seq_ids, num_tokens, strict=True)):
+            have = len(holdings[seq_id].blocks)
+            if n > have * bs:
+                needs.append((i, -(-n // bs) - have))
+        free, num_fit = self.pool.num_free_blocks, 0
+        for _, need in needs:
+            if need > free:
+                break
+            free -= need
+            num_fit += 1
+        blocks = self.pool.get_free_blocks(self.pool.num_free_blocks - free)
+        taken = 0
+        for i, need in needs[:num_fit]:
+            holdings[seq_ids[i]].extend(blocks[taken : taken + need])
+            taken += need
+        return [i for i, _ in needs[:num_fit]], [i for i, _ in needs[num_fit:]]
 
     def block_table(self, seq_id: str) -> list[int]:
         holding = self._holdings.get(seq_id)
@@ -181,11 +221,7 @@ class BlockManager:
         """``seq_id``'s block ids now, ``(num_blocks,)`` int32, without copying (O(1)): a read-only view whose
         entries never change (blocks are only appended, and a freed sequence's array is not reused)."""
         holding = self._holdings.get(seq_id)
-        if holding is None:
-            return _EMPTY_TABLE
-        view = holding.table[: len(holding.blocks)]
-        view.flags.writeable = False
-        return view
+        return _EMPTY_TABLE if holding is None else holding.view
 
     def has(self, seq_id: str) -> bool:
         return seq_id in self._holdings

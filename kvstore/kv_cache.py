@@ -18,7 +18,7 @@ model dtype, where quantization hurts accuracy most); ``int8`` stores both.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -146,30 +146,3 @@ def copy_blocks(src: list[LayerKV], src_blocks: list[int], dst: list[LayerKV], d
             if source is not None:
                 target.index_copy_(0, dst_index, source.index_select(0, src_index).to(target.device))
     return True
-
-
-@dataclass
-class KVMirror:
-    """A second pool that some of a batch's tokens must also be stored into, where, and until when.
-
-    ``slot_mapping`` has one entry per token of the batch: the destination slot, or -1 for tokens that do not
-    go there. ``windows`` are (deadline, first row, end row), soonest first: those rows' stores must stop at
-    ``deadline`` (``time.monotonic()``), the end of the right to write there. ``close_expired``, called before
-    each layer's store, turns their slots into -1 once it has passed, so nothing reaches the pool for them
-    later than the one layer's store under way at the deadline.
-    """
-
-    layers: list[LayerKV]
-    slot_mapping: torch.Tensor
-    windows: list[tuple[float, int, int]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.windows.sort()
-
-    def close_expired(self) -> None:
-        if not self.windows or time.monotonic() < self.windows[0][0]:
-            return
-        now = time.monotonic()
-        while self.windows and self.windows[0][0] <= now:
-            _, start, end = self.windows.pop(0)
-            self.slot_mapping[start:end].fill_(-1)

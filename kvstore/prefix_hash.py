@@ -1,7 +1,7 @@
 """Chained hashes of full KV blocks: the names a prefix cache, the Redis prefix index and the router share.
 
 ``h_i = xxh3_128(h_{i-1} || salt || token ids of block i)``, hex. The salt is the KV layout's fingerprint
-(``kvstore.transfer.fingerprint``: architecture, dtypes incl. ``kv_cache_dtype``, layer/head counts, block
+(``kvstore.layout.fingerprint``: architecture, dtypes incl. ``kv_cache_dtype``, layer/head counts, block
 size), so two workers share a hash only when their blocks hold interchangeable bytes. A hash names a
 whole prefix: equal hashes at block ``i`` mean (barring a collision, which the engine rules out by comparing
 token ids) equal tokens in blocks ``0..i``. Only full blocks are hashed.

@@ -7,9 +7,9 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from engine import SamplingParams
-from kvstore.kv_cache import KVCache
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from rpc import metrics
+from transfer.transport import KVTransport
 
 
 class LeaseExpired(RuntimeError):
@@ -23,23 +23,23 @@ class PrefillJob:
     prompt: list[int]
     params: SamplingParams
     destination: pb.KVDestination
-    dest_pool: KVCache | None
+    transport: KVTransport  # how the KV reaches the destination: its ``pool`` is written in place, if any
     dest_cached_tokens: int = 0  # leading prompt tokens the destination already holds: not written there
     write_until: float = float("inf")  # time.monotonic() from which the destination is neither read nor written
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # the caller gave up: never start it, or stop it at the next step
-    writes_ended: bool = False  # we will never write into ``dest_pool`` for it again, and said so
+    writes_ended: bool = False  # we will never write into the destination's pool for it again, and said so
 
     @property
     def expired(self) -> bool:
-        return self.dest_pool is not None and time.monotonic() >= self.write_until
+        return self.transport.backend.writes_in_place and time.monotonic() >= self.write_until
 
 
 @dataclass
 class PrefillResult:
     first_token: int
-    chunks: list[bytes] | None  # grpc only: the bytes of the blocks the destination lacks, as chunked() splits them
+    taken: object  # what the transport still moves after the step: ``KVTransport.take`` of the blocks it lacks
     prefill_ms: float
     num_cached_tokens: int  # leading prompt tokens taken from our own prefix cache
 

@@ -2,7 +2,7 @@
 
 1. ``Prefill`` (a coroutine on the gRPC event loop) checks the destination's
    fingerprint and its lease (signed by the decode worker for this request, this
-   prefill worker and these blocks: ``rpc.lease``), opens the destination pool
+   prefill worker and these blocks: ``cluster_state.lease``), opens the destination pool
    once per decode worker (``shm``: map its file, only inside this cluster's pool
    directory; closed once that worker is gone: ``destinations``) and queues a
    job for the batcher, then awaits it.
@@ -10,15 +10,15 @@
    ``max_batch_tokens`` prompt tokens are waiting or ``max_wait_ms`` has passed
    since the first one, adds them all to its engine with ``max_tokens=1`` and
    steps until each has its first token. Long prompts are chunked by the
-   engine's token budget. With ``shm`` every layer stores each new token's K/V
-   straight into the destination slots as it is computed; with ``grpc`` the
-   finished blocks are read out of our own pool before they are released.
-   When the lease offers the destination's cached prefix blocks (``shm``,
-   ``cuda_ipc``) and names their tokens (the prompt's prefix hash), the engine
-   copies them in instead of computing that prefix. Reading and writing there
-   stop at the lease's expiry less ``lease.WRITE_MARGIN_S``, checked before
-   each step, each copy and each layer's store: a job past it fails
-   (DEADLINE_EXCEEDED), its blocks uncached.
+   engine's token budget. The engine's KV connector (``handoff``) copies each
+   step's blocks into the destination pool (``shm``, ``cuda_ipc``) right after
+   the step; with ``grpc`` the finished blocks are read out of our own pool
+   before they are released. When the lease offers the destination's cached
+   prefix blocks (``shm``, ``cuda_ipc``) and names their tokens (the prompt's
+   prefix hash), the connector copies them in instead of computing that
+   prefix. Reading and writing there stop at the lease's expiry less
+   ``lease.WRITE_MARGIN_S``, checked before each step and each layer's copy: a
+   job past it fails (DEADLINE_EXCEEDED), its blocks uncached.
 3. Back on the event loop: ``grpc`` streams the bytes to the decode worker's
    ``PushKV`` in checksummed chunks; the answer carries the first token and
    the checksum of the destination blocks.
@@ -39,19 +39,25 @@ import time
 
 import grpc
 
+from cluster_state import lease
+from cluster_state.registry import Registry
+from cluster_state.workers import WorkerInfo, local_host_id
 from engine import LLMEngine
-from kvstore.registry import Registry
-from kvstore.transfer import checksum_blocks, chunked, fingerprint, pool_dir, read_blocks
-from kvstore.workers import WorkerInfo, local_host_id
-from prefill_service.destinations import Destinations, UnknownBackend
+from engine.kv_connector import TRANSFER_EXPIRED
+from kvstore.layout import fingerprint
+from kvstore.shared_pool import pool_dir
+from prefill_service.destinations import Destinations
+from prefill_service.handoff import Handoff, HandoffConnector
 from prefill_service.jobs import LeaseExpired, PrefillJob, PrefillResult, settle
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from rpc import lease, metrics
+from rpc import metrics
 from rpc.auth import Security
 from rpc.identity import peer_identity
 from rpc.loop import Loop
 from rpc.validation import validate_sampling
+from transfer.backend import Backend
+from transfer.transport import TransferFailed, UnknownBackend
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +73,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_ms / 1000
         runner = engine.runner
+        engine.connect(HandoffConnector(runner.kv_cache.layers, engine.config.block_size))
         self.fingerprint = fingerprint(engine.model_config.architecture, runner.kv_spec)
         self.destinations = Destinations(runner.kv_spec, self.fingerprint, worker_id, security, registry,
                                          runner.device)  # fmt: skip
@@ -108,7 +115,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"num_cached_tokens={held} must be whole blocks of {block_size} tokens, "
                                 f"fewer than the prompt's {len(prompt)}")  # fmt: skip
-        if dest.cached_block_ids and (len(dest.cached_block_ids) != held // block_size or dest.backend == "grpc"):
+        if dest.cached_block_ids and (len(dest.cached_block_ids) != held // block_size or dest.backend == Backend.GRPC):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{len(dest.cached_block_ids)} cached block ids must name the {held // block_size} "
                                 f"blocks of the {held} cached tokens, in a pool this worker maps")  # fmt: skip
@@ -120,12 +127,12 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{len(dest.block_ids)} blocks cannot hold {len(prompt) - held} tokens")  # fmt: skip
         try:
-            pool = self.destinations.pool(dest)
+            transport = self.destinations.open(dest)
         except UnknownBackend as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except (OSError, RuntimeError, ValueError) as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the decode worker's KV pool: {err}")
-        job = PrefillJob(request.request_id, prompt, params, dest, pool, held, lease.write_deadline(dest))
+        job = PrefillJob(request.request_id, prompt, params, dest, transport, held, lease.write_deadline(dest))
         self._jobs.put(job)
         try:
             result: PrefillResult = await asyncio.wrap_future(job.future)
@@ -138,14 +145,11 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {err}")
         start = time.perf_counter()
         dst_blocks = list(dest.block_ids)[:num_blocks]
-        if pool is not None:  # shm or cuda_ipc: the bytes are already in the decode worker's pool
-            digest = await asyncio.to_thread(checksum_blocks, pool, dst_blocks)
-        else:
-            try:
-                digest = await self.destinations.push(dest, request.request_id, dst_blocks, result.chunks)
-            except grpc.aio.AioRpcError as err:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"pushing the KV to decode worker "
-                                    f"{dest.worker_id} failed: {err.code().name}: {err.details()}")  # fmt: skip
+        try:
+            digest = await transport.finish(request.request_id, dst_blocks, result.taken)
+        except TransferFailed as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"pushing the KV to decode worker {dest.worker_id} "
+                                f"failed: {err}")  # fmt: skip
         return pb.PrefillResponse(
             first_token_id=result.first_token,
             num_cached_tokens=result.num_cached_tokens,
@@ -227,15 +231,14 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             params = dataclasses.replace(job.params, max_tokens=1, stop=[], ignore_eos=True)
             # The table from position 0: its first ``skip`` blocks hold what the destination has and are never
             # written; we read them when the lease offers them, else a leased block stands in as a placeholder.
-            skip, cached, dest = job.dest_cached_tokens // bs, list(job.destination.cached_block_ids), None
-            if job.dest_pool is not None:
-                leased = list(job.destination.block_ids)
-                dest = (job.dest_pool.layers, (cached or leased[:1] * skip) + leased)
+            # Without a pool to write (``grpc``) the hand-off only keeps our blocks for the transport to read.
+            pool, skip = job.transport.pool, job.dest_cached_tokens // bs
+            cached = list(job.destination.cached_block_ids)
+            leased = list(job.destination.block_ids)
             try:
-                engine.add_request(job.prompt, params, rid, kv_destination=dest, hold_blocks=True,
-                                   num_dest_cached_tokens=job.dest_cached_tokens if dest else 0,
-                                   read_dest_prefix=bool(cached and dest),
-                                   dest_deadline=job.write_until if dest else None)  # fmt: skip
+                handoff = Handoff(pool.layers if pool else None, (cached or leased[:1] * skip) + leased, bs,
+                                  job.dest_cached_tokens, bool(cached and pool), job.write_until)  # fmt: skip
+                engine.add_request(job.prompt, params, rid, kv_params=handoff)
                 pending[rid] = job
             except Exception as err:  # noqa: BLE001 - this job only
                 settle(job, error=err)
@@ -248,17 +251,15 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                     job = pending.pop(out.request_id, None) if out.finished else None
                     if job is None:
                         continue
-                    if out.finish_reason == "dest_expired":  # the engine stopped reading and writing there
+                    if out.finish_reason == TRANSFER_EXPIRED:  # the connector stopped reading and writing there
                         self._stop(out.request_id, job)
                         continue
-                    data = None
-                    if job.dest_pool is None:  # grpc: the blocks the destination lacks, read out of ours
-                        table = engine.block_manager.block_table(out.request_id)[job.dest_cached_tokens // bs :]
-                        data = [read_blocks(engine.runner.kv_cache, part) for part in chunked(table)]
+                    table = engine.block_manager.block_table(out.request_id)[job.dest_cached_tokens // bs :]
+                    taken = job.transport.take(engine.runner.kv_cache, table)  # before our blocks are released
                     engine.release(out.request_id)
                     self._end_writes(job, "success")
-                    metrics.count_prefill_tokens(len(job.prompt), out.num_cached_tokens, out.num_dest_read_tokens)
-                    settle(job, PrefillResult(out.token_ids[0], data, (time.perf_counter() - start) * 1e3,
+                    metrics.count_prefill_tokens(len(job.prompt), out.num_cached_tokens, out.num_external_tokens)
+                    settle(job, PrefillResult(out.token_ids[0], taken, (time.perf_counter() - start) * 1e3,
                                               out.num_cached_tokens))  # fmt: skip
         finally:
             for rid, job in pending.items():
@@ -282,7 +283,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
 
     def _end_writes(self, job: PrefillJob, state: str) -> None:
         """Once, when no write of ours into ``job``'s destination pool can come any more: end its lease."""
-        if job.dest_pool is not None and not job.writes_ended:
+        if job.transport.backend.writes_in_place and not job.writes_ended:
             job.writes_ended = True
             self.destinations.end_lease(job.request_id, state)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.workers import WorkerInfo
+from cluster_state.workers import WorkerInfo
 
 log = logging.getLogger(__name__)
 

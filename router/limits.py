@@ -21,12 +21,11 @@ was read closes the connection. The ``FrontDoor`` lives on the router's event lo
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -35,6 +34,9 @@ from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from router import openai_protocol as api
 from rpc import metrics
 from rpc.requests import API_KEY_ENV, resolve_api_key
+
+if TYPE_CHECKING:
+    from router.settings import FrontDoorSettings
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 DEFAULT_MAX_CONCURRENT_REQUESTS = 512
@@ -201,18 +203,6 @@ async def _reply(send: Send, status: int, body: dict[str, Any], headers: list[tu
 # -- configuration ------------------------------------------------------------------------------------------
 
 
-def add_front_door_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("front door (see router/limits.py)")
-    group.add_argument("--api-key", default=None,
-                       help=f"clients must send 'Authorization: Bearer <key>' (HTTP and gRPC; default: "
-                            f"${API_KEY_ENV}, which ps does not show; none: no key)")  # fmt: skip
-    group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                       help="largest HTTP body (413) and gRPC message (RESOURCE_EXHAUSTED) taken")  # fmt: skip
-    group.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
-                       help="generation requests in flight over both doors, past which new ones get 429 / "
-                            "RESOURCE_EXHAUSTED; 0: no limit")  # fmt: skip
-
-
-def front_door_from_args(args: argparse.Namespace) -> FrontDoor:
-    """The ``FrontDoor`` of the flags and ``$KVSERVE_API_KEY``; ``ValueError`` for limits out of range."""
-    return FrontDoor(resolve_api_key(args.api_key), args.max_request_bytes, args.max_concurrent_requests)
+def front_door_from_settings(settings: FrontDoorSettings) -> FrontDoor:
+    """The ``FrontDoor`` of the router's settings (``--api-key`` or ``$KVSERVE_API_KEY``: blank means none)."""
+    return FrontDoor(resolve_api_key(settings.api_key), settings.max_request_bytes, settings.max_concurrent_requests)

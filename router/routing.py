@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.workers import WorkerInfo
+from cluster_state.workers import WorkerInfo
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,10 @@ from contextlib import aclosing
 
 import grpc
 
+from cluster_state.registry import Registry
+from cluster_state.workers import Role, WorkerInfo
 from engine.tokenizer import Tokenizer
 from kvstore.prefix_hash import block_hashes
-from kvstore.registry import Registry
-from kvstore.workers import Role, WorkerInfo
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from router.health import WorkerHealth
@@ -52,13 +52,12 @@ from rpc.identity import Identity
 from rpc.streams import cancel_when_stalled
 
 log = logging.getLogger(__name__)
-# UNAUTHENTICATED from a decode worker means this router's cluster token is wrong: the client is not to blame,
-# so it gets UNAVAILABLE (after trying the others), not an internal service's auth error.
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
-              grpc.StatusCode.UNAUTHENTICATED}  # fmt: skip
 # A stream that already sent tokens continues on another decode worker after these: the worker died
 # (UNAVAILABLE) or drained (it ends what is left at its drain timeout with UNAVAILABLE).
 _MIGRATABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL}
+# UNAUTHENTICATED from a decode worker means this router's cluster token is wrong: the client is not to blame,
+# so it gets UNAVAILABLE (after trying the others), not an internal service's auth error.
+_RETRYABLE = _MIGRATABLE | {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED}
 _SERVICES = {"decode": "kvserve.v1.Decode", "prefill": "kvserve.v1.Prefill"}
 
 
@@ -91,9 +90,6 @@ class Router(pb_grpc.InferenceServicer):
         stream_idle_timeout_s: float = 30.0,
         max_validation_backlog: int = DEFAULT_MAX_BACKLOG,
     ) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_context = max_context
         self.security = security
         self.registry = registry
         self.static_decode = [WorkerInfo(worker_id=a, role="decode", address=a) for a in decode_addresses or []]
@@ -170,9 +166,8 @@ class Router(pb_grpc.InferenceServicer):
                             yield msg
                         return
                     except grpc.RpcError as err:
-                        if err.code() not in (_MIGRATABLE if self.migrate_streams else set()) and relayed.tokens:
-                            raise RouteError(err.code(), err.details() or "decode worker failed") from None
-                        if err.code() not in _RETRYABLE:
+                        migratable = _MIGRATABLE if self.migrate_streams else set()
+                        if err.code() not in _RETRYABLE or (relayed.tokens and err.code() not in migratable):
                             raise RouteError(err.code(), err.details() or "decode worker failed") from None
                         if err.code() == grpc.StatusCode.UNAVAILABLE:
                             self.health.bench(worker)
@@ -241,9 +236,8 @@ class Router(pb_grpc.InferenceServicer):
         key = f"{worker.address} {name}"
         channel, started_at = self._channels.get(key, (None, None))
         if channel is None or worker.started_at > started_at:
-            # a newer start of the worker gets a new channel: the old one may sit in reconnect backoff after the
-            # old process died, failing the first calls to the new one (its calls died with that process). A
-            # request still holding the older description keeps using the newest channel.
+            # a newer start of the worker gets a new channel: the old one may sit in reconnect backoff, failing the
+            # first calls to the new process. A request still holding the older description uses the newest one.
             if channel is not None:
                 asyncio.ensure_future(channel.close())
             channel = self.security.aio_channel(worker.address, Identity(worker.role, name))

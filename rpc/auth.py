@@ -25,12 +25,12 @@ Trust model:
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -38,7 +38,10 @@ from rpc.identity import Identity, read_member_dir
 from rpc.interceptor import CALLER_METADATA, ROLE_METADATA, TOKEN_METADATA, CallerInterceptor
 from rpc.keys import MEMBER, Keyring
 
-__all__ = ["CALLER_METADATA", "TOKEN_METADATA", "Security", "add_security_args", "load_token", "security_from_args"]
+if TYPE_CHECKING:
+    from rpc.options import SecuritySettings
+
+__all__ = ["CALLER_METADATA", "TOKEN_METADATA", "Security", "load_token", "security_from_settings"]
 
 TOKEN_ENV = "KVSERVE_CLUSTER_TOKEN"
 TOKEN_FILE_ENV = "KVSERVE_CLUSTER_TOKEN_FILE"
@@ -155,49 +158,31 @@ class Security:
 # -- configuration ------------------------------------------------------------------------------------------
 
 
-def add_security_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("security")
-    group.add_argument("--cluster-token-file", default=None,
-                       help=f"file holding the cluster token or this process's credential (default: ${TOKEN_ENV} "
-                            f"or ${TOKEN_FILE_ENV})")  # fmt: skip
-    group.add_argument("--cluster-certs", default=None, metavar="DIR",
-                       help="this process's cluster certificate: DIR/cert.pem, key.pem (mode 600) and the cluster "
-                            "CA's ca.pem (kvserve certs makes them); internal gRPC then runs over mutual TLS, "
-                            "authorized by role")  # fmt: skip
-    group.add_argument("--insecure-internal", action="store_true",
-                       help="serve internal RPCs without the cluster token (logs a warning)")
-    group.add_argument("--tls-cert", default=None,
-                       help="PEM certificate of the router's public port (of this process's port, without "
-                            "--cluster-certs)")  # fmt: skip
-    group.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    group.add_argument("--tls-ca", default=None,
-                       help="PEM CA: verify peers with it and require client certificates")
-
-
-def tls_files(args: argparse.Namespace) -> dict[str, bytes]:
+def tls_files(settings: SecuritySettings) -> dict[str, bytes]:
     """The ``--tls-*`` files as ``Security`` fields; ``ValueError`` for an incomplete set."""
-    if bool(args.tls_cert) != bool(args.tls_key):
+    if bool(settings.tls_cert) != bool(settings.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
-    if args.tls_ca and not args.tls_cert:
+    if settings.tls_ca and not settings.tls_cert:
         raise ValueError("--tls-ca needs --tls-cert and --tls-key (mutual TLS)")
-    return {name: Path(path).read_bytes() for name, path in
-            (("tls_cert", args.tls_cert), ("tls_key", args.tls_key), ("tls_ca", args.tls_ca)) if path}  # fmt: skip
+    paths = (("tls_cert", settings.tls_cert), ("tls_key", settings.tls_key), ("tls_ca", settings.tls_ca))
+    return {name: Path(path).read_bytes() for name, path in paths if path}
 
 
-def security_from_args(args: argparse.Namespace, role: str | None = None) -> Security:
-    """The credentials of this process's internal calls, from its flags and environment; ``ValueError`` says
-    what is missing or wrong. ``role`` is the process's: a certificate or credential of another is refused."""
-    files: dict[str, object] = tls_files(args)
-    if getattr(args, "cluster_certs", None):
+def security_from_settings(settings: SecuritySettings, role: str | None = None) -> Security:
+    """The credentials of this process's internal calls, from its security settings (flags, ``KVSERVE_*``)
+    and ``$KVSERVE_CLUSTER_TOKEN``; ``ValueError`` says what is missing or wrong. ``role`` is the process's: a
+    certificate or credential of another is refused."""
+    files: dict[str, object] = tls_files(settings)
+    if settings.cluster_certs:
         if files and role not in (None, "router"):
             raise ValueError("--tls-* serve the router's public port: a worker's port uses --cluster-certs alone")
-        files = read_member_dir(Path(args.cluster_certs))
+        files = read_member_dir(Path(settings.cluster_certs))
         if role is not None and files["identity"].role != role:
-            raise ValueError(f"{args.cluster_certs}/cert.pem is a {files['identity'].role}'s, not a {role}'s")
-    if args.insecure_internal:
+            raise ValueError(f"{settings.cluster_certs}/cert.pem is a {files['identity'].role}'s, not a {role}'s")
+    if settings.insecure_internal:
         log.warning("--insecure-internal: internal RPCs accept any caller; use this on a trusted network only")
         return Security(token=None, **files)
-    token = load_token(args.cluster_token_file)
+    token = load_token(settings.cluster_token_file)
     if token is None:
         raise ValueError(
             f"no cluster token: set {TOKEN_ENV}, or {TOKEN_FILE_ENV} / --cluster-token-file to a file holding it "

@@ -4,7 +4,6 @@ thread, and on SIGTERM or SIGINT drain (not serving, deregistered, running reque
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import sys
@@ -12,15 +11,16 @@ import threading
 import uuid
 from typing import Protocol
 
+from cluster_state.publisher import PrefixPublisher
+from cluster_state.registry import Registry
+from cluster_state.workers import WorkerInfo, local_host_id
 from engine import LLMEngine
-from kvstore.prefix_publisher import PrefixPublisher
-from kvstore.registry import Registry
-from kvstore.workers import WorkerInfo, local_host_id
 from rpc import metrics
-from rpc.auth import Security, security_from_args
-from rpc.flags import set_compute_threads
+from rpc.auth import Security, security_from_settings
 from rpc.loop import AsyncioThread, Loop
 from rpc.server import add_service, new_server, set_not_serving, start_server
+from rpc.threads import set_compute_threads
+from rpc.worker_options import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -35,52 +35,52 @@ class Worker(Protocol):
     def stop(self) -> None: ...
 
 
-def prepare_worker(args: argparse.Namespace, role: str) -> tuple[str, Security, Registry | None]:
+def prepare_worker(settings: WorkerSettings, role: str) -> tuple[str, Security, Registry | None]:
     """What both roles do before loading a model: logging, credentials (exit with the reason when they are
     missing or wrong), the worker id (with a cluster certificate: the name it gives, which peers verify),
     the registry client and this worker's share of the cores."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
     try:
-        security = security_from_args(args, role)
+        security = security_from_settings(settings, role)
     except ValueError as err:
         sys.exit(f"{role} worker: {err}")
     named = security.identity.name if security.identity is not None else None
-    if args.worker_id and named and args.worker_id != named:
-        sys.exit(f"{role} worker: --worker-id {args.worker_id} differs from the name in its certificate ({named}), "
-                 "which peers check")  # fmt: skip
-    worker_id = args.worker_id or named or f"{role}-{uuid.uuid4().hex[:8]}"
-    registry = Registry(args.redis_url, security=security) if args.redis_url else None
-    compute_threads(args, registry, worker_id)
+    if settings.worker_id and named and settings.worker_id != named:
+        sys.exit(f"{role} worker: --worker-id {settings.worker_id} differs from the name in its certificate "
+                 f"({named}), which peers check")  # fmt: skip
+    worker_id = settings.worker_id or named or f"{role}-{uuid.uuid4().hex[:8]}"
+    registry = Registry(settings.redis_url, security=security) if settings.redis_url else None
+    compute_threads(settings, registry, worker_id)
     return worker_id, security, registry
 
 
-def compute_threads(args: argparse.Namespace, registry: Registry | None, worker_id: str) -> int:
+def compute_threads(settings: WorkerSettings, registry: Registry | None, worker_id: str) -> int:
     """Set this worker's torch threads: ``--threads``, else its share of the host with the other compute workers
     the registry knows on this host (``kvserve up`` always passes ``--threads``). A restarted worker's own
     entry from its previous life is not another worker."""
     others = 0
-    if args.threads is None and registry is not None:
+    if settings.threads is None and registry is not None:
         host = local_host_id()
         others = sum(w.host_id == host and w.worker_id != worker_id for w in registry.workers()
                      if w.role in ("prefill", "decode"))  # fmt: skip
-    return set_compute_threads(args.threads, others + 1)
+    return set_compute_threads(settings.threads, others + 1)
 
 
 def serve(worker: Worker, services: dict[str, object], aio: AsyncioThread, security: Security,
-          args: argparse.Namespace, registry: Registry | None, cleanups: list) -> None:  # fmt: skip
+          settings: WorkerSettings, registry: Registry | None, cleanups: list) -> None:  # fmt: skip
     """Serve ``services`` on ``--host:--port`` until a signal, running ``worker.loop`` on this thread."""
 
     async def start():
         server = new_server(security)
         names = [add_service(server, name, servicer) for name, servicer in services.items()]
-        _, health = await start_server(server, names, f"{args.host}:{args.port}", security)
+        _, health = await start_server(server, names, f"{settings.host}:{settings.port}", security)
         return server, health, names
 
     server, health, names = aio.run(start())
     info = worker.info()
     metrics.export_state(info.role, worker.load, worker.engine)
-    metrics_port = metrics.start_metrics_server(args.host, args.metrics_port)
-    log.info("%s %s: metrics on http://%s:%d/metrics", info.role, info.worker_id, args.host, metrics_port)
+    metrics_port = metrics.start_metrics_server(settings.host, settings.metrics_port)
+    log.info("%s %s: metrics on http://%s:%d/metrics", info.role, info.worker_id, settings.host, metrics_port)
     publisher = None
     if registry is not None:
         registry.register(info)
@@ -97,11 +97,11 @@ def serve(worker: Worker, services: dict[str, object], aio: AsyncioThread, secur
     deregister = threading.Thread(target=registry.stop if registry else lambda: None, name="deregister")
 
     def on_signal(signum, _frame) -> None:
-        log.info("%s: draining for up to %.0f s", signal.Signals(signum).name, args.drain_timeout)
+        log.info("%s: draining for up to %.0f s", signal.Signals(signum).name, settings.drain_timeout)
         aio.submit(set_not_serving(health, names))
         if not deregister.is_alive() and deregister.ident is None:  # routers stop choosing us; Redis I/O
             deregister.start()  # stays off this (the engine loop's) thread
-        worker.drain(args.drain_timeout)
+        worker.drain(settings.drain_timeout)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)

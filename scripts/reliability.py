@@ -31,10 +31,10 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cluster_state.registry import Registry  # noqa: E402
 from kvserve.bench.loadgen import BenchRequest, LoadResult, run_load  # noqa: E402
 from kvserve.cluster import Cluster, free_base_port, start_cluster  # noqa: E402
 from kvserve.supervisor import RestartPolicy, Supervisor  # noqa: E402
-from kvstore.registry import Registry  # noqa: E402
 
 ENGINE_ARGV = ["--model", "default", "--num-blocks", "512", "--block-size", "16"]
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -122,10 +122,10 @@ def threads(args: argparse.Namespace, log_dir: str) -> int:
 def faults(args: argparse.Namespace, log_dir: str) -> int:
     cluster = up(log_dir)
     stop = threading.Event()
-    supervisor = Supervisor(cluster, RestartPolicy())
+    supervisor = Supervisor(cluster.units(), RestartPolicy())
     thread = threading.Thread(target=supervisor.run, args=(stop,), daemon=True)
     thread.start()
-    redis_child = cluster.redis_children()[0]
+    [redis_child] = [unit for unit in cluster.units() if unit.role == "redis"]
     rows = []
 
     def under_load(name: str, inject, recovered) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from kvserve.client import Client
 from kvserve.cluster import Cluster, free_base_port, start_cluster
-from kvserve.supervisor import RestartPolicy, Supervisor
+from kvserve.supervisor import RestartPolicy, Supervised, Supervisor
 
 ENGINE_ARGV = ["--model", "default", "--num-blocks", "256", "--block-size", "16"]
 
@@ -61,15 +61,15 @@ class _Records(logging.Handler):
 
 
 @contextmanager
-def supervised(c: Cluster, policy: RestartPolicy) -> Iterator[tuple[Supervisor, list[str]]]:
-    """Supervise ``c`` on a background thread; yields the supervisor and the messages it logs. On exit the
-    supervisor stops (its restarted processes die with its thread) and ``c`` is stopped."""
+def supervising(units: list[Supervised], policy: RestartPolicy) -> Iterator[tuple[Supervisor, list[str]]]:
+    """Supervise ``units`` on a background thread; yields the supervisor and the messages it logs. On exit the
+    supervisor stops (the processes it restarted die with its thread), and what it raised is raised here."""
     records = _Records()
     logger = logging.getLogger("kvserve.supervisor")
     level = logger.level
     logger.setLevel(logging.INFO)
     logger.addHandler(records)
-    supervisor, stop, errors = Supervisor(c, policy), threading.Event(), []
+    supervisor, stop, errors = Supervisor(units, policy), threading.Event(), []
 
     def run() -> None:
         try:
@@ -84,11 +84,20 @@ def supervised(c: Cluster, policy: RestartPolicy) -> Iterator[tuple[Supervisor, 
     finally:
         stop.set()
         thread.join()
-        c.stop()
         logger.removeHandler(records)
         logger.setLevel(level)
     if errors:
         raise errors[0]
+
+
+@contextmanager
+def supervised(c: Cluster, policy: RestartPolicy) -> Iterator[tuple[Supervisor, list[str]]]:
+    """``supervising`` the cluster's units; ``c`` is stopped on exit."""
+    try:
+        with supervising(c.units(), policy) as supervisor_and_messages:
+            yield supervisor_and_messages
+    finally:
+        c.stop()
 
 
 def load_request(index: int, max_tokens: int) -> tuple[list[int], dict]:

@@ -10,24 +10,26 @@ import os
 import shutil
 import subprocess
 import threading
-import time
 
 import grpc
 import pytest
 from conftest import NUM_NEW_TOKENS
 from service_utils import TEST_SECURITY, InProcessServer
+from waiting import wait_until
 
+from cluster_state import lease
+from cluster_state.registry import Registry
 from decode_service.worker import DecodeWorker
 from engine import LLMEngine
 from kvserve.redis_server import EmbeddedRedis
-from kvstore.registry import Registry
-from kvstore.transfer import checksum, checksum_blocks, open_shared_pool, pool_dir
+from kvstore.shared_pool import pool_dir
 from prefill_service.worker import PrefillWorker
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from rpc import lease
 from rpc.auth import Security
 from rpc.loop import AsyncioThread
+from transfer.blocks import checksum, checksum_blocks
+from transfer.shm import open_shared_pool
 
 NUM_BLOCKS = 64
 
@@ -51,10 +53,8 @@ def cluster():
         decode.loop.start()
         decode_server = InProcessServer({"Decode": decode, "KVTransfer": decode.receiver}, aio=aio)
         decode.address = decode_server.address
-        deadline = time.monotonic() + 10
-        while not decode.prefills.workers:  # the decode worker's view of the registry is refreshed every second
-            assert time.monotonic() < deadline, "the decode worker never saw the prefill worker"
-            time.sleep(0.05)
+        # the decode worker's view of the registry is refreshed every second
+        wait_until(lambda: decode.prefills.workers, 10, "the decode worker seeing the prefill worker")
         yield decode, prefill
         decode_server.stop()
         decode.stop()
@@ -66,8 +66,8 @@ def cluster():
 
 
 def _destination(decode: DecodeWorker, blocks: list[int], **fields) -> pb.KVDestination:
-    dest = pb.KVDestination(worker_id=decode.worker_id, backend="shm", fingerprint=decode.fingerprint,
-                            block_ids=blocks, shm_path=decode.shm_path, num_blocks=NUM_BLOCKS)  # fmt: skip
+    dest = pb.KVDestination(worker_id=decode.worker_id, backend="shm", fingerprint=decode.fingerprint, block_ids=blocks,
+                            shm_path=decode.connector.pool.shm_path, num_blocks=NUM_BLOCKS)  # fmt: skip
     for name, value in fields.items():
         if name in ("block_ids", "cached_block_ids"):
             dest.ClearField(name)
@@ -95,7 +95,7 @@ def _hostile_prefills(decode: DecodeWorker, prefill: PrefillWorker, tmp_path) ->
     member = TEST_SECURITY.metadata("intruder")
     blocks = list(range(NUM_BLOCKS - 4, NUM_BLOCKS))
     foreign = tmp_path / f"kvserve-{decode.worker_id}-1"  # a file of the right name, outside the pool directory
-    shutil.copyfile(decode.shm_path, foreign)
+    shutil.copyfile(decode.connector.pool.shm_path, foreign)
     os.chmod(foreign, 0o600)
     cases = {"unsigned": _destination(decode, blocks)}
     for name, ttl, holder, signer, fields in [
@@ -144,7 +144,8 @@ def test_internal_services_refuse_callers_without_the_token(cluster):
 def test_kv_writes_need_a_lease_and_a_concurrent_request_stays_exact(cluster, engine_prompts, hf_greedy, tmp_path):
     decode, prefill = cluster
     targets = list(range(NUM_BLOCKS - 4, NUM_BLOCKS))  # what the hostile calls aim at; the victim uses low blocks
-    victim_view = open_shared_pool(decode.engine.runner.kv_spec, NUM_BLOCKS, decode.shm_path)  # an independent read
+    # an independent read of the victim's pool
+    victim_view = open_shared_pool(decode.engine.runner.kv_spec, NUM_BLOCKS, decode.connector.pool.shm_path)
     before = checksum_blocks(victim_view, targets)
     served: list[int] = []
     request = pb.DecodeRequest(request_id="victim", prompt_token_ids=engine_prompts[6],
@@ -252,7 +253,7 @@ def test_mutual_tls_admits_only_peers_with_a_certificate_of_the_cluster_ca(clust
 
 def test_pool_files_are_private_to_the_cluster(cluster):
     decode, _ = cluster
-    assert os.stat(decode.shm_path).st_mode & 0o777 == 0o600
+    assert os.stat(decode.connector.pool.shm_path).st_mode & 0o777 == 0o600
     assert os.stat(pool_dir()).st_mode & 0o777 == 0o700
 
 

@@ -137,3 +137,16 @@ def test_count_trace_attributes_kernels_to_layers_and_merges_intervals():
     assert counts.num_unattributed == 1
     assert counts.num_host_launches == 4
     assert counts.kernel_us == pytest.approx(15 + 5 + 6 + 1)
+
+
+def test_tiny_times_engine_and_transformers_steps_per_batch(capsys):
+    offline.main(["--tiny", "--batch-sizes", "1,3", "--tiny-prompt-len", "5", "--tiny-steps", "2",
+                  "--tiny-rounds", "2"])  # fmt: skip
+    printed = capsys.readouterr().out
+    rows = _rows(printed)
+    assert [row[0] for row in rows] == ["1", "3"]
+    for _, engine_ms, hf_ms, ratio, model_ms, host_us in rows:
+        assert float(engine_ms) > 0 and float(hf_ms) > 0 and float(ratio) > 0
+        assert 0 < float(model_ms) <= float(engine_ms)
+        assert float(host_us) >= 0
+    assert "decode attention at batch 3, 7 tokens each: reference" in printed

@@ -1,14 +1,15 @@
-"""Block pool and block manager: exact allocation order, and invariants under random operation sequences."""
+"""``kvstore.block_manager``: exact allocation order, all-or-nothing allocation, block tables that grow in place,
+and invariants under random operation sequences. The prefix cache's blocks: tests/test_block_pool.py."""
 
 from __future__ import annotations
 
 import pytest
+from block_testing import BlockMachine
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 
-from kvstore import BlockManager, BlockPool, block_manager, token_slots
-from kvstore.prefix_hash import block_hashes
+from kvstore import BlockManager, token_slots
 
 
 def test_blocks_come_from_the_front_and_return_tail_first():
@@ -34,264 +35,92 @@ def test_allocation_is_all_or_nothing():
     assert bm.allocate("b", 16)
 
 
-def test_pool_refuses_double_release_and_overdraw():
-    pool = BlockPool(2)
-    blocks = pool.get_free_blocks(2)
-    with pytest.raises(ValueError, match="only 0 are free"):
-        pool.get_free_blocks(1)
-    pool.release(blocks)
-    with pytest.raises(ValueError, match="released more times"):
-        pool.release(blocks[:1])
+def test_block_table_arrays_grow_in_place_and_old_views_never_change():
+    bm = BlockManager(num_blocks=40, block_size=4)
+    assert bm.allocate("a", 4)
+    first = bm.block_table_array("a")
+    for num_tokens in range(8, 121, 4):  # one block per call, through several capacity doublings
+        assert bm.allocate("a", num_tokens)
+    assert first.tolist() == [0]
+    assert bm.block_table_array("a").tolist() == bm.block_table("a") == list(range(30))
+    with pytest.raises(ValueError, match="read-only"):
+        first[0] = 5
+    bm.free("a")
+    assert bm.block_table_array("a").tolist() == []
 
 
-class BlockManagerMachine(RuleBasedStateMachine):
+def test_allocate_decode_gives_blocks_in_batch_order_as_one_allocate_each_would():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    for seq, num_tokens in (("a", 4), ("b", 3), ("c", 8), ("x", 8)):  # a [0], b [1], c [2, 3], x [4, 5]
+        assert bm.allocate(seq, num_tokens)
+    bm.free("x")  # free list now 6, 7, 5, 4
+    a_before = bm.block_table_array("a")
+    assert bm.allocate_decode(["a", "b", "c"], [5, 4, 9]) == ([0, 2], [])  # b's block still has room
+    assert [bm.block_table(s) for s in "abc"] == [[0, 6], [1], [2, 3, 7]]
+    assert a_before.tolist() == [0] and bm.block_table_array("a").tolist() == [0, 6]
+    # 5 then 4 are left: b and a get them, c (listed last) finds none and is left as it was
+    assert bm.allocate_decode(["b", "a", "c"], [5, 9, 13]) == ([0, 1], [2])
+    assert [bm.block_table(s) for s in "abc"] == [[0, 6, 4], [1, 5], [2, 3, 7]]
+    assert bm.num_free_blocks == 0
+    bm.free("b")  # 5, 1
+    assert bm.allocate_decode(["c"], [13]) == ([0], [])
+    assert bm.block_table("c") == [2, 3, 7, 5]
+
+
+def test_allocate_decode_stops_at_the_first_sequence_that_does_not_fit():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    for seq in "abc":
+        assert bm.allocate(seq, 4)  # a [0], b [1], c [2]; free 3, 4, 5
+    # a needs 2 (fits), b needs 2 (1 left: does not), c needs 1 (would fit, but comes after b)
+    assert bm.allocate_decode(["a", "b", "c"], [12, 12, 8]) == ([0], [1, 2])
+    assert [bm.block_table(s) for s in "abc"] == [[0, 3, 4], [1], [2]]
+    assert bm.num_free_blocks == 1
+    with pytest.raises(KeyError):
+        bm.allocate_decode(["nobody"], [1])
+
+
+class BlockManagerMachine(BlockMachine):
     """Random allocate/grow/free sequences; a model of expected token capacity runs alongside."""
 
     def __init__(self):
         super().__init__()
         self.bm = BlockManager(num_blocks=24, block_size=4)
-        self.tokens: dict[str, int] = {}
+        self.held: dict[str, int] = {}
 
     @rule(seq=st.sampled_from("abcdefg"), grow=st.integers(1, 30))
     def allocate(self, seq, grow):
-        want = self.tokens.get(seq, 0) + grow
+        want = self.held.get(seq, 0) + grow
         free_before = self.bm.num_free_blocks
         could = self.bm.can_allocate(seq, want)
         ok = self.bm.allocate(seq, want)
         assert ok == could
         if ok:
-            self.tokens[seq] = want
+            self.held[seq] = want
             assert len(self.bm.block_table(seq)) == -(-want // 4)
         else:
             assert self.bm.num_free_blocks == free_before
 
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: self.held)
     @rule(data=st.data())
-    def free(self, data):
-        seq = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.bm.free(seq)
-        del self.tokens[seq]
+    def decode_step(self, data):
+        seqs = data.draw(st.lists(st.sampled_from(sorted(self.held)), min_size=1, unique=True))
+        want = [self.held[seq] + data.draw(st.integers(1, 6)) for seq in seqs]
+        free_before = self.bm.num_free_blocks
+        needing = [i for i, seq in enumerate(seqs) if -(-want[i] // 4) > len(self.bm.block_table(seq))]
+        grown, starved = self.bm.allocate_decode(seqs, want)
+        assert grown + starved == needing  # a prefix of the needing ones is served
+        assert free_before - self.bm.num_free_blocks == sum(-(-want[i] // 4) - -(-self.held[seqs[i]] // 4)
+                                                            for i in grown)  # fmt: skip
+        for i, seq in enumerate(seqs):
+            if i not in starved:
+                self.held[seq] = want[i]
+            assert len(self.bm.block_table(seq)) == -(-self.held[seq] // 4)
 
     @invariant()
-    def no_block_both_free_and_used(self):
-        used = [b for seq in self.tokens for b in self.bm.block_table(seq)]
+    def no_block_is_owned_twice(self):
+        used = [b for seq in self.held for b in self.bm.block_table(seq)]
         assert len(used) == len(set(used)), "a block is owned twice"
-        free = set(self.bm.pool._free)
-        assert not free & set(used)
-        assert len(free) + len(used) == self.bm.num_blocks
-        for block in self.bm.pool.blocks:
-            assert block.ref_count >= 0
-            assert (block.ref_count == 0) == (block.block_id in free)
-
-    def teardown(self):
-        for seq in list(self.tokens):
-            self.bm.free(seq)
-        assert self.bm.num_free_blocks == self.bm.num_blocks
-        assert all(b.ref_count == 0 for b in self.bm.pool.blocks)
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
-
-
-# -- prefix caching -------------------------------------------------------------------------------------------
-
-TOKENS = list(range(100, 110))  # 10 tokens: two full blocks of 4 and a partial one
-
-
-def _caching(num_blocks: int, block_size: int = 4) -> BlockManager:
-    return BlockManager(num_blocks, block_size, enable_caching=True, salt="layout")
-
-
-def _ids(blocks) -> list[int]:
-    return [b.block_id for b in blocks]
-
-
-def test_cached_blocks_are_shared_then_evicted_least_recently_used_tail_first():
-    bm = _caching(num_blocks=6)
-    assert bm.allocate("a", 10)
-    assert bm.block_table("a") == [0, 1, 2]
-    assert bm.match_prefix(TOKENS) == []  # allocated but not computed: not findable
-    bm.cache_full_blocks("a", TOKENS, 10)
-    h0, h1 = block_hashes(TOKENS[:8], 4, "layout")
-    assert bm.take_events() == ([h0, h1], []) and bm.take_events() == ([], [])
-    assert _ids(bm.match_prefix(TOKENS)) == [0, 1]
-    assert _ids(bm.match_prefix(TOKENS[:8])) == [0]  # a whole cached prompt still computes its last token
-    assert _ids(bm.match_prefix([100, 101, 102, 999, 0])) == []
-
-    cached = bm.match_prefix(TOKENS)
-    assert bm.allocate("b", 12, cached)
-    assert bm.block_table("b") == [0, 1, 3] and bm.num_cached_tokens("b") == 8
-    assert [b.ref_count for b in bm.pool.blocks] == [2, 2, 1, 1, 0, 0]
-    bm.free("a")  # 2 is free; 1 and 0 stay for "b"
-    assert list(bm.pool._free) == [4, 5, 2]
-    bm.free("b")  # tail first: 3, then 1, then 0
-    assert list(bm.pool._free) == [4, 5, 2, 3, 1, 0]
-    assert bm.num_free_blocks == 6 and sorted(bm.cached_block_hashes()) == sorted([h0, h1])
-
-    assert bm.allocate("c", 16) and bm.block_table("c") == [4, 5, 2, 3]  # uncached blocks first in LRU order
-    assert bm.take_events() == ([], [])
-    assert bm.allocate("d", 1) and bm.block_table("d") == [1]  # evicts the tail of the cached prefix
-    assert bm.take_events() == ([], [h1])
-    assert _ids(bm.match_prefix(TOKENS)) == [0]
-    assert bm.allocate("e", 10, bm.match_prefix(TOKENS)) is False  # needs 0 (free, cached) plus 2 new: 1 free
-    assert bm.block_table("e") == [] and bm.pool.blocks[0].ref_count == 0
-
-
-def test_reviving_a_cached_free_block_counts_against_the_free_list():
-    bm = _caching(num_blocks=3)
-    assert bm.allocate("a", 8)
-    bm.cache_full_blocks("a", TOKENS, 8)
-    bm.free("a")
-    hit = bm.match_prefix(TOKENS)
-    assert _ids(hit) == [0, 1]
-    assert bm.num_new_blocks_needed("b", 12, hit) == 3 and bm.can_allocate("b", 12, hit)
-    assert not bm.can_allocate("b", 13, hit)
-    assert bm.allocate("b", 12, hit) and bm.block_table("b") == [0, 1, 2] and bm.num_free_blocks == 0
-
-
-def test_an_unfilled_allocation_is_never_cached_and_caching_off_hashes_nothing():
-    bm = _caching(num_blocks=4)
-    assert bm.allocate("reserved", 10)
-    bm.free("reserved")
-    assert bm.cached_block_hashes() == [] and bm.match_prefix(TOKENS) == []
-    off = BlockManager(4, 4)
-    assert off.allocate("a", 10)
-    off.cache_full_blocks("a", TOKENS, 10)
-    off.free("a")
-    assert off.cached_block_hashes() == [] and off.match_prefix(TOKENS) == [] and off.take_events() == ([], [])
-
-
-def test_stored_then_evicted_before_a_take_is_reported_in_neither_list():
-    bm = _caching(num_blocks=2)
-    assert bm.allocate("a", 8)
-    bm.cache_full_blocks("a", TOKENS, 8)
-    bm.free("a")
-    assert bm.allocate("b", 8)  # evicts both
-    assert bm.take_events() == ([], []) and bm.cached_block_hashes() == []
-    bm.cache_full_blocks("b", TOKENS, 8)
-    stored, _ = bm.take_events()
-    bm.free("b")
-    assert bm.allocate("c", 8)
-    bm.cache_full_blocks("c", TOKENS, 8)  # evicted, then stored again: no net change
-    assert bm.take_events() == ([], []) and sorted(bm.cached_block_hashes()) == sorted(stored)
-
-
-def _position_only_hashes(token_ids, block_size, salt, parent=""):
-    """A hash that ignores the tokens: every prompt collides with every other, block by block."""
-    return [parent + "x" for _ in range(len(token_ids) // block_size)]
-
-
-def test_a_hash_collision_never_serves_another_prefixs_kv(monkeypatch):
-    monkeypatch.setattr(block_manager, "block_hashes", _position_only_hashes)
-    bm = _caching(num_blocks=8, block_size=2)
-    other = [7, 7, 5, 5, 0]  # block 1 equals ours, block 0 does not
-    ours = [1, 1, 5, 5, 0]
-    assert bm.allocate("other", 5)
-    bm.cache_full_blocks("other", other, 4)
-    assert bm.match_prefix(ours) == []  # same hash, different tokens
-    # Evict only the first block of "other": its second block stays cached under the colliding hash.
-    second = bm.pool.blocks[bm.block_table("other")[1]]
-    bm.free("other")
-    bm.pool.touch([second])
-    assert bm.allocate("filler", 2 * 7) and bm.match_prefix(other) == []
-    bm.free("filler")
-    bm.pool.release([second])  # now the most recently used: "ours" will not evict it
-    assert second.block_hash is not None
-    assert bm.allocate("ours", 5)
-    bm.cache_full_blocks("ours", ours, 4)
-    # Same hash and same tokens as ``second``, but computed after another first block: not a hit.
-    assert _ids(bm.match_prefix(ours)) == bm.block_table("ours")[:2]
-    assert second.block_hash is None
-
-
-class PrefixCacheMachine(RuleBasedStateMachine):
-    """Random admit (match + allocate) / compute / free sequences over a small caching pool, with token
-    sequences from a two-letter alphabet so prefixes are shared, optionally under a hash that always
-    collides. A shadow of each block's KV (the token prefix it was computed for) checks every hit."""
-
-    BLOCK_SIZE = 2
-
-    def __init__(self):
-        super().__init__()
-        self.bm = _caching(num_blocks=10, block_size=self.BLOCK_SIZE)
-        self.seqs: dict[str, tuple[list[int], int]] = {}  # name -> (tokens, num computed)
-        self.kv: dict[int, tuple[int, ...]] = {}
-        self.index: set[str] = set()  # a prefix index fed only by the events
-        self.restore = block_manager.block_hashes
-
-    @initialize(colliding=st.booleans())
-    def choose_hash(self, colliding):
-        if colliding:
-            block_manager.block_hashes = _position_only_hashes
-
-    def _compute(self, name: str, tokens: list[int], start: int, end: int) -> None:
-        table, bs = self.bm.block_table(name), self.BLOCK_SIZE
-        for i in range(start // bs, -(-end // bs)):
-            assert self.bm.pool.blocks[table[i]].ref_count == 1, "wrote into a shared block"
-            self.kv[table[i]] = tuple(tokens[: min((i + 1) * bs, end)])
-        self.bm.cache_full_blocks(name, tokens, end)
-        self.seqs[name] = (tokens, end)
-
-    @rule(name=st.sampled_from("abcde"), tokens=st.lists(st.integers(0, 1), min_size=1, max_size=12),
-          data=st.data())  # fmt: skip
-    def admit(self, name, tokens, data):
-        if name in self.seqs:
-            return
-        cached = self.bm.match_prefix(tokens)
-        num_cached = len(cached) * self.BLOCK_SIZE
-        assert num_cached < len(tokens)
-        for i, block in enumerate(cached):
-            assert self.kv[block.block_id] == tuple(tokens[: (i + 1) * self.BLOCK_SIZE]), "a hit served other KV"
-        end = num_cached + data.draw(st.integers(1, len(tokens) - num_cached))
-        free_before = self.bm.num_free_blocks
-        if self.bm.allocate(name, end, cached):
-            assert self.bm.block_table(name)[: len(cached)] == _ids(cached)
-            self._compute(name, tokens, num_cached, end)
-        else:
-            assert not self.bm.has(name) and self.bm.num_free_blocks == free_before
-
-    @precondition(lambda self: self.seqs)
-    @rule(data=st.data(), grow=st.integers(1, 6))
-    def compute(self, data, grow):
-        name = data.draw(st.sampled_from(sorted(self.seqs)))
-        tokens, done = self.seqs[name]
-        end = min(len(tokens), done + grow)
-        if self.bm.allocate(name, end):
-            self._compute(name, tokens, done, end)
-
-    @precondition(lambda self: self.seqs)
-    @rule(data=st.data())
-    def free(self, data):
-        name = data.draw(st.sampled_from(sorted(self.seqs)))
-        self.bm.free(name)
-        del self.seqs[name]
-
-    @invariant()
-    def references_match_holders_and_the_free_list(self):
-        holders = [b for name in self.seqs for b in self.bm.block_table(name)]
-        free = set(self.bm.pool._free)
-        for block in self.bm.pool.blocks:
-            assert block.ref_count == holders.count(block.block_id) >= 0
-            assert (block.ref_count == 0) == (block.block_id in free)
-
-    @invariant()
-    def the_hash_map_and_the_event_fed_index_agree(self):
-        for block_hash, block in self.bm.pool.cached.items():
-            assert block.block_hash == block_hash
-        assert sum(b.block_hash is not None for b in self.bm.pool.blocks) == len(self.bm.pool.cached)
-        stored, evicted = self.bm.take_events()
-        assert not set(stored) & set(evicted)
-        self.index = (self.index | set(stored)) - set(evicted)
-        assert self.index == set(self.bm.cached_block_hashes())
-
-    def teardown(self):
-        block_manager.block_hashes = self.restore
-        for name in list(self.seqs):
-            self.bm.free(name)
-        assert self.bm.num_free_blocks == self.bm.num_blocks
-        assert all(b.ref_count == 0 for b in self.bm.pool.blocks)
-
-
-TestPrefixCacheMachine = PrefixCacheMachine.TestCase
-TestPrefixCacheMachine.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)

@@ -1,5 +1,6 @@
 """Faults under ``kvserve up``'s supervision, with real processes, a real Redis and gRPC on loopback: SIGKILLed
-workers, Redis and launcher; a process that can never start; a process that keeps crashing."""
+workers, Redis and launcher; a process that can never start. The restart policy on its own (backoff, giving up)
+is tested in tests/test_supervisor.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -18,13 +18,11 @@ import redis
 from cluster_utils import ENGINE_ARGV, Load, cluster, free_base_port, offline_answers, prometheus_values, supervised
 from waiting import wait_until
 
+from cluster_state.registry import Registry
 from kvserve.client import Client
 from kvserve.cluster import Cluster, cluster_shm_dir
-from kvserve.processes import Child
-from kvserve.supervisor import ClusterFailed, RestartPolicy, State, Supervisor
-from kvstore.registry import Registry
-from kvstore.transfer import pool_file_name
-from rpc.auth import Security
+from kvserve.supervisor import RestartPolicy, State
+from kvstore.shared_pool import pool_file_name
 
 POLICY = RestartPolicy(initial_delay_s=0.2, startup_timeout_s=120.0)
 CONCURRENCY, MAX_TOKENS = 16, 24  # half greedy, half seeded sampling (cluster_utils.load_request)
@@ -272,37 +270,3 @@ def test_up_exits_non_zero_when_a_process_cannot_start(tmp_path):
     assert done.returncode == 1 and f"port {port + 10} on 127.0.0.1 is in use" in done.stderr, done.stderr
     missing = subprocess.run([*cmd, "--model", str(tmp_path / "nowhere")], capture_output=True, text=True)
     assert missing.returncode == 2 and "not a model directory" in missing.stderr
-
-
-def _stand_in(name: str, role: str, code: str) -> Child:
-    """A real process in a worker's place, running ``code`` (no model: these tests are about the policy)."""
-    child = Child(name, role, "127.0.0.1:1", [sys.executable, "-c", code], dict(os.environ), Security(None), None)
-    child.start()
-    return child
-
-
-def test_supervisor_gives_up_on_a_decode_worker_that_keeps_crashing(tmp_path):
-    crashing = _stand_in("decode-0", "decode", "import sys; sys.exit(3)")
-    c = Cluster("127.0.0.1:1", "", tmp_path, Security(None), stop_timeout_s=5.0, children=[crashing])
-    policy = RestartPolicy(initial_delay_s=0.05, max_delay_s=0.2, max_start_failures=3, tick_s=0.02)
-    started = time.monotonic()
-    with pytest.raises(ClusterFailed, match="no decode worker can be kept running"):
-        Supervisor(c, policy).run(threading.Event())
-    # backoff 0.05 + 0.1 + 0.2 + 0.2 s between the initial run and 4 failed restarts
-    assert time.monotonic() - started >= 0.55
-    c.stop()
-
-
-def test_supervisor_keeps_serving_without_a_prefill_worker_that_keeps_crashing(tmp_path):
-    decode = _stand_in("decode-0", "decode", "import time; time.sleep(60)")
-    prefill = _stand_in("prefill-0", "prefill", "import sys; sys.exit(3)")
-    c = Cluster("127.0.0.1:1", "", tmp_path, Security(None), stop_timeout_s=5.0, children=[decode, prefill])
-    supervisor = Supervisor(c, RestartPolicy(initial_delay_s=0.01, max_delay_s=0.01, max_start_failures=2, tick_s=0.02))
-    stop = threading.Event()
-    timer = threading.Timer(1.5, stop.set)
-    timer.start()
-    try:
-        supervisor.run(stop)  # returns when stopped, not with ClusterFailed
-    finally:
-        c.stop()
-    assert supervisor.state("prefill-0") is State.ABANDONED and supervisor.state("decode-0") is State.UP

@@ -21,6 +21,7 @@ import openai
 import pytest
 from router_utils import RouterStack
 from service_utils import TEST_SECURITY
+from waiting import wait_until
 
 from kvserve.client import Client
 from rpc.auth import TOKEN_ENV
@@ -49,11 +50,11 @@ class RouterProcess:
                "--metrics-port", str(self.metrics_port), "--decode-address", decode_address,
                "--max-concurrent-requests", str(MAX_CONCURRENT)]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env=env, cwd=Path(__file__).parents[1])
-        deadline = time.monotonic() + 120
-        while _get(self.url + "/health")[0] != 200:
-            assert self.proc.poll() is None, "the router exited during start-up"
-            assert time.monotonic() < deadline, "the router did not serve within 120 s"
-            time.sleep(0.2)
+        wait_until(self._serving, 120, "the router serving", interval_s=0.2)
+
+    def _serving(self) -> bool:
+        assert self.proc.poll() is None, "the router exited during start-up"
+        return _get(self.url + "/health")[0] == 200
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -237,11 +238,13 @@ def test_concurrency_limit_spans_both_doors(router):
         http_stream.close()
         grpc_stream.close()
         grpc_client.close()
-    deadline = time.monotonic() + 30
-    while True:  # the router notices the two clients leave within moments
+
+    def served() -> bool:
         try:
             assert _complete(router)
-            break
         except openai.RateLimitError:
-            assert time.monotonic() < deadline, "the slots of closed streams were not given back"
-            time.sleep(0.1)
+            return False
+        return True
+
+    # the router notices the two clients leave within moments
+    wait_until(served, 30, "the slots of closed streams given back", interval_s=0.1)

@@ -22,6 +22,7 @@ import pytest
 from cluster_utils import free_base_port
 from service_utils import InProcessServer
 
+from cluster_state import lease
 from engine import LLMEngine
 from kvserve.certs import make_cluster_dir
 from kvserve.cli import main as kvserve_main
@@ -30,7 +31,6 @@ from kvserve.scratch import cluster_shm_dir
 from prefill_service.worker import PrefillWorker
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from rpc import lease
 from rpc.auth import Security
 from rpc.identity import Identity, read_member_dir
 from rpc.keys import Keyring
@@ -125,7 +125,7 @@ def test_the_routers_credential_cannot_call_prefill_nor_sign_a_lease_a_prefill_w
         lease.grant(router, "r2", pb.KVDestination(worker_id="decode-0"), "prefill-0", 30)
     for kind, key in router.keyring.keys.items():  # a lease signed with any key the router holds...
         forged = _destination(worker, decode, "r3")
-        parts = ["lease-grant", *lease._signed_parts("r3", forged)]
+        parts = ["lease-grant", *lease._grant_parts("r3", forged)]
         forged.lease_signature = hmac.new(key, "\x1f".join(parts).encode(), hashlib.sha256).hexdigest()
         err = _call(decode, "decode-0", address, "r3", forged)  # ... handed over by a real decode worker
         assert err is not None and err.code() == grpc.StatusCode.PERMISSION_DENIED, kind
@@ -187,12 +187,12 @@ def test_a_lease_with_any_field_altered_is_refused(members, prefill, tmp_path):
     assert set(names) <= {field.name for field, _ in dest.ListFields()}
     for name in names:
         changed = _altered(dest, name)
-        why = lease.refusal(decode, "edit", changed, "prefill-0", tmp_path, lease.NonceBook())
+        why = lease.grant_refusal(decode, "edit", changed, "prefill-0", tmp_path, lease.NonceBook())
         assert "no valid lease" in why, (name, why)
         err = _call(decode, "decode-0", address, "edit", changed, num_cached_tokens=16)
         expected = grpc.StatusCode.FAILED_PRECONDITION if name == "fingerprint" else grpc.StatusCode.PERMISSION_DENIED
         assert err is not None and err.code() == expected, (name, err)
-    assert lease.refusal(decode, "edit", dest, "prefill-0", tmp_path, lease.NonceBook()) == ""  # unaltered: valid
+    assert lease.grant_refusal(decode, "edit", dest, "prefill-0", tmp_path, lease.NonceBook()) == ""  # unaltered: valid
 
 
 def test_clients_reach_only_the_member_they_meant_and_servers_admit_only_the_clusters(members, prefill, tmp_path):

@@ -1,7 +1,8 @@
 """The lease race (issue 21): a prefill step still running when its lease runs out must never write into
 blocks the decode worker has given to another request since, nor cache what it read there.
 
-The engine tests drive one engine whose step is slowed at one layer past its destination deadline. The
+The engine tests drive one engine (with the prefill worker's KV connector) whose step is slowed at one layer
+past its destination deadline: the step's KV is copied out only after it, so nothing reaches the destination. The
 cluster tests run real servers on loopback in this process: a decode worker with a shared (``shm``) pool of
 24 blocks, a real Redis, and two prefill workers. Each cycle an "aggressor" prompt as long as the whole pool
 is leased (1.5 s) to the slow prefill worker, whose step a hook holds at layer 4 until a victim streams a token
@@ -25,11 +26,13 @@ import pytest
 from conftest import greedy
 from service_utils import TEST_SECURITY, InProcessServer
 
+from cluster_state.registry import Registry
 from decode_service.worker import DecodeWorker
 from engine import LLMEngine
+from engine.kv_connector import TRANSFER_EXPIRED
 from kvserve.redis_server import EmbeddedRedis
 from kvstore.kv_cache import KVCache
-from kvstore.registry import Registry
+from prefill_service.handoff import Handoff, HandoffConnector
 from prefill_service.worker import PrefillWorker
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
@@ -65,27 +68,33 @@ class SlowStep:
         self._handle.remove()
 
 
+def _engine() -> LLMEngine:
+    engine = LLMEngine(model="default", num_blocks=64, block_size=16, enforce_eager=True)
+    engine.connect(HandoffConnector(engine.runner.kv_cache.layers, 16))
+    return engine
+
+
 def _with_destination(engine: LLMEngine, prompt: list[int], deadline: float, **options) -> tuple[str, KVCache]:
     """Prefill ``prompt`` for a destination pool (zeros) through blocks 0.., writing until ``deadline``."""
     dest = KVCache(engine.runner.kv_spec, 64, engine.runner.device)
     table = list(range(engine.block_manager.num_blocks_for(len(prompt))))
-    engine.add_request(prompt, greedy(1), "dest", kv_destination=(dest.layers, table), hold_blocks=True,
-                       dest_deadline=deadline, **options)  # fmt: skip
+    engine.add_request(prompt, greedy(1), "dest", kv_params=Handoff(dest.layers, table, 16, deadline=deadline,
+                                                                   **options))  # fmt: skip
     [out] = engine.step()
     engine.release("dest")
     return out.finish_reason, dest
 
 
-def test_a_step_stops_writing_the_destination_at_its_deadline_layer_by_layer(engine_prompts):
-    engine = LLMEngine(model="default", num_blocks=64, block_size=16, enforce_eager=True)
-    engine.add_request(engine_prompts[4], greedy(1))  # warm up: the step below reaches layer 4 at once
+def test_a_step_that_runs_past_the_deadline_writes_nothing_there(engine_prompts):
+    engine = _engine()
+    rid = engine.add_request(engine_prompts[4], greedy(1))  # warm up: the step below reaches layer 4 at once
     engine.step()
+    engine.release(rid)
     warm = len(engine.block_manager.cached_block_hashes())
     slow = SlowStep(engine, HOLD_LAYER, 50, 1.3)  # the deadline passes while the step waits at layer 4
     reason, dest = _with_destination(engine, engine_prompts[5], time.monotonic() + 1.0)
-    written = [bool(layer.k_cache.abs().sum() or layer.v_cache.abs().sum()) for layer in dest.layers]
-    assert reason == "dest_expired" and len(slow.spans) == 1
-    assert written == [i < HOLD_LAYER for i in range(len(dest.layers))]
+    assert reason == TRANSFER_EXPIRED and len(slow.spans) == 1
+    assert not any(layer.k_cache.abs().sum() or layer.v_cache.abs().sum() for layer in dest.layers)
     assert len(engine.block_manager.cached_block_hashes()) == warm  # what the expired step computed is not kept
     slow.remove()
     reason, dest = _with_destination(engine, engine_prompts[5], time.monotonic() + 60)
@@ -94,18 +103,18 @@ def test_a_step_stops_writing_the_destination_at_its_deadline_layer_by_layer(eng
 
 
 def test_a_destination_prefix_is_cached_only_when_read_before_the_deadline(engine_prompts):
-    engine = LLMEngine(model="default", num_blocks=64, block_size=16, enforce_eager=True)
+    engine = _engine()
     prompt = engine_prompts[6]  # 170 tokens: a prefix of 10 blocks the destination holds
     _, dest = _with_destination(engine, prompt, time.monotonic() + 60)  # fills the destination, and our cache
-    reader = LLMEngine(model="default", num_blocks=64, block_size=16, enforce_eager=True)
-    for deadline, expected in [(time.monotonic() - 1, "dest_expired"), (time.monotonic() + 60, "length")]:
+    reader = _engine()
+    for deadline, expected in [(time.monotonic() - 1, TRANSFER_EXPIRED), (time.monotonic() + 60, "length")]:
         table = list(range(engine.block_manager.num_blocks_for(len(prompt))))
-        reader.add_request(prompt, greedy(1), "r", kv_destination=(dest.layers, table), hold_blocks=True,
-                           num_dest_cached_tokens=160, read_dest_prefix=True, dest_deadline=deadline)  # fmt: skip
+        handoff = Handoff(dest.layers, table, 16, num_held_tokens=160, readable=True, deadline=deadline)
+        reader.add_request(prompt, greedy(1), "r", kv_params=handoff)
         [out] = reader.step()
         reader.release("r")
         assert out.finish_reason == expected
-        assert len(reader.block_manager.cached_block_hashes()) == (0 if expected == "dest_expired" else 10)
+        assert len(reader.block_manager.cached_block_hashes()) == (0 if expected == TRANSFER_EXPIRED else 10)
 
 
 @pytest.fixture(scope="module")

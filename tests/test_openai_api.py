@@ -14,6 +14,7 @@ import urllib.request
 import openai
 import pytest
 from router_utils import RouterStack, new_router
+from waiting import wait_until
 
 from kvserve.client import Client
 from router.openai_api import HttpServer, create_app
@@ -57,10 +58,7 @@ def _http(url: str, body: dict | None = None) -> tuple[int, dict]:
 
 
 def _wait_all_free(stack: RouterStack, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while stack.engine.block_manager.num_free_blocks != NUM_BLOCKS:
-        assert time.monotonic() < deadline, f"blocks were not all freed within {timeout_s} s"
-        time.sleep(0.05)
+    wait_until(lambda: stack.engine.block_manager.num_free_blocks == NUM_BLOCKS, timeout_s, "every block freed")
 
 
 def test_greedy_completion_equals_the_grpc_path(stack, client):

@@ -1,6 +1,7 @@
-"""A prefill worker unmaps a decode worker's KV pool once that worker is gone. Every decode restart makes a new
-pool file (``pool_file_name``); a dead worker's pool that is still mapped keeps its whole size in memory even
-after the file is removed, so each restart would pin another pool's worth."""
+"""A prefill worker unmaps a decode worker's KV pool once that worker is gone (``prefill_service.destinations``).
+Every decode restart makes a new pool file (``kvstore.shared_pool.pool_file_name``); a dead worker's pool that
+is still mapped keeps its whole size in memory even after the file is removed, so each restart would pin
+another pool's worth."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from waiting import wait_until
 from kvserve.client import Client
 from kvserve.supervisor import RestartPolicy
 from kvstore import KVCacheSpec
-from kvstore.transfer import pool_file_name
+from kvstore.shared_pool import pool_file_name
 from prefill_service.destinations import Destinations
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from rpc.auth import Security
+from transfer.backend import Backend
 
 POLICY = RestartPolicy(initial_delay_s=0.2, startup_timeout_s=120.0)
 NUM_RESTARTS = 3
@@ -51,10 +53,10 @@ def _prefill_into_the_pool(endpoint: str, index: int) -> None:
     (a decode worker that does not know the prefill worker yet prefills locally)."""
     with Client(endpoint, timeout_s=60) as client:
         backends = []
-        while "shm" not in backends:
+        while Backend.SHM not in backends:
             assert len(backends) < 100, f"no request went through the prefill worker: {backends}"
             backends.append(client.generate([7, 8, 9, 10 + index], max_tokens=2, ignore_eos=True).transfer_backend)
-            time.sleep(0.1 if backends[-1] != "shm" else 0)
+            time.sleep(0.1 if backends[-1] != Backend.SHM else 0)
 
 
 @pytest.mark.slow
@@ -85,18 +87,18 @@ def _pool_file(directory: Path, pid: int) -> Path:
 
 
 def _destination(path: Path) -> pb.KVDestination:
-    return pb.KVDestination(backend="shm", shm_path=str(path), num_blocks=NUM_BLOCKS, worker_id="decode-0")
+    return pb.KVDestination(backend=Backend.SHM, shm_path=str(path), num_blocks=NUM_BLOCKS, worker_id="decode-0")
 
 
 def test_a_removed_pool_is_unmapped_once_no_job_holds_it(tmp_path):
     """No request needs to come: the batcher's idle call closes it. A job still writing there keeps it."""
     destinations = Destinations(SPEC, "fp", "prefill-0", Security.insecure(), None, torch.device("cpu"))
     path = _pool_file(tmp_path, 1001)
-    writing = destinations.pool(_destination(path))  # what a job (and its engine sequence) holds
+    writing = destinations.open(_destination(path))  # what a job (and its engine sequence) holds
     assert mapped_pools(os.getpid(), tmp_path) == {str(path)}
     path.unlink()  # the decode worker died and the supervisor removed its pool file
     destinations.close_gone_pools()
-    writing.layers[0].k_cache[0].fill_(1.0)  # the job's write still lands in the mapping
+    writing.pool.layers[0].k_cache[0].fill_(1.0)  # the job's write still lands in the mapping
     assert mapped_pools(os.getpid(), tmp_path) == {f"{path} (deleted)"}
     del writing  # the job is done
     assert mapped_pools(os.getpid(), tmp_path) == set()
@@ -107,8 +109,8 @@ def test_a_newer_pool_of_the_same_decode_worker_closes_the_older_one(tmp_path):
     """A standalone decode worker's restart leaves its predecessor's file until something removes it."""
     destinations = Destinations(SPEC, "fp", "prefill-0", Security.insecure(), None, torch.device("cpu"))
     older, newer = _pool_file(tmp_path, 1001), _pool_file(tmp_path, 1002)
-    assert destinations.pool(_destination(older)) is destinations.pool(_destination(older))  # opened once
-    destinations.pool(_destination(newer))
+    assert destinations.open(_destination(older)) is destinations.open(_destination(older))  # opened once
+    destinations.open(_destination(newer))
     assert mapped_pools(os.getpid(), tmp_path) == {str(newer)}
     destinations.close()
     assert mapped_pools(os.getpid(), tmp_path) == set()

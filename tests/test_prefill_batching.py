@@ -13,16 +13,16 @@ import xxhash
 from service_utils import TEST_SECURITY, InProcessServer
 from waiting import wait_until
 
+from cluster_state import lease
+from cluster_state.registry import Registry
+from cluster_state.workers import WorkerInfo
 from decode_service.worker import DecodeWorker
 from engine import LLMEngine
 from kvserve.redis_server import EmbeddedRedis
-from kvstore.registry import Registry
-from kvstore.transfer import create_shared_pool
-from kvstore.workers import WorkerInfo
+from kvstore.shared_pool import create_shared_pool
 from prefill_service.worker import PrefillWorker
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from rpc import lease
 from rpc.loop import AsyncioThread
 
 

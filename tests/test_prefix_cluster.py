@@ -12,9 +12,9 @@ import redis
 from cluster_utils import cluster, hf_reference
 from waiting import wait_until
 
+from cluster_state.registry import Registry
 from kvserve.client import Client
 from kvstore.prefix_hash import block_hashes
-from kvstore.registry import Registry
 
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 

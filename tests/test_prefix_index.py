@@ -8,10 +8,10 @@ import time
 import pytest
 from waiting import wait_until
 
+from cluster_state.publisher import PrefixPublisher
+from cluster_state.registry import Registry
+from cluster_state.workers import WorkerInfo
 from kvserve.redis_server import EmbeddedRedis
-from kvstore.prefix_publisher import PrefixPublisher
-from kvstore.registry import Registry
-from kvstore.workers import WorkerInfo
 from rpc.auth import Security
 
 SECURITY = Security(token="prefix-index-test")

@@ -11,7 +11,7 @@ import torch
 
 from kvserve.cluster import Cluster
 from kvstore import KVCacheSpec
-from kvstore.transfer import SHM_DIR_ENV, create_shared_pool, pool_dir
+from kvstore.shared_pool import SHM_DIR_ENV, create_shared_pool, pool_dir
 from rpc.auth import Security, load_token
 
 OTHER_UID = 4242

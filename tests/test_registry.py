@@ -1,5 +1,5 @@
-"""The Redis registry against real redis-server processes on loopback: workers, leases, prefix index, signatures,
-credentials, and how it rides out a paused, killed or restarted Redis."""
+"""The Redis registry against real redis-server processes on loopback: workers, prefix index, signatures,
+credentials, and how it rides out a paused, killed or restarted Redis (leases: test_lease.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 import redis
 from waiting import wait_until
 
+from cluster_state.registry import Registry
+from cluster_state.workers import WorkerInfo
 from kvserve.redis_server import EmbeddedRedis
-from kvstore.registry import Registry
-from kvstore.workers import WorkerInfo
 from rpc.auth import Security
 
 SECURITY = Security(token="registry-test-token")
@@ -106,51 +106,7 @@ def test_heartbeat_thread_keeps_worker_alive_and_stop_removes_it(redis_server: E
     reg.stop()  # idempotent
 
 
-# ---- leases and the prefix index -------------------------------------------------------------------------------
-
-
-def test_lease_lifecycle_and_expiry(registry: Registry, raw: redis.Redis) -> None:
-    assert registry.put_lease("req-1", decode_id="d0", prefill_id="p0", block_ids=[7, 3, 9], ttl_s=0.4)
-    lease = registry.get_lease("req-1")
-    assert lease is not None
-    assert (lease.decode_id, lease.prefill_id, lease.block_ids, lease.state) == ("d0", "p0", [7, 3, 9], "pending")
-
-    assert registry.end_lease("req-1", "p0", "success")  # the writer's final state, signed by the writer
-    assert registry.get_lease("req-1").state == "success"
-    with pytest.raises(ValueError, match="lease ends"):
-        registry.end_lease("req-1", "p0", "pending")
-
-    wait_until(lambda: registry.get_lease("req-1") is None, timeout_s=1.0)
-    assert not registry.end_lease("req-1", "p0", "failed")
-    assert not raw.exists("kvserve:lease:req-1")  # the late update did not recreate a TTL-less hash
-
-    registry.put_lease("req-2", decode_id="d0", prefill_id="p0", block_ids=[1], ttl_s=30)
-    registry.delete_lease("req-2")
-    assert registry.get_lease("req-2") is None
-
-
-def test_only_the_writer_can_end_its_lease(registry: Registry, raw: redis.Redis) -> None:
-    registry.put_lease("req-1", decode_id="d0", prefill_id="p0", block_ids=[4], ttl_s=30)
-    raw.hset("kvserve:lease:req-1", "state", "failed")  # forged in Redis: no writer's signature
-    assert registry.get_lease("req-1").state == "pending"
-    registry.end_lease("req-1", "p1", "failed")  # signed, but by a worker the lease does not name
-    assert registry.get_lease("req-1").state == "pending"
-    registry.end_lease("req-1", "p0", "failed")
-    assert registry.get_lease("req-1").state == "failed"
-    registry.delete_lease("req-1", "p1")  # a retry's new lease is not deleted by an old holder's cleanup
-    assert registry.get_lease("req-1") is not None
-    registry.delete_lease("req-1", "p0")
-    assert registry.get_lease("req-1") is None
-
-
-def test_a_restarted_writer_ends_the_leases_its_predecessor_left(registry: Registry) -> None:
-    for rid, writer in (("a", "p0"), ("b", "p0"), ("c", "p1")):
-        registry.put_lease(rid, decode_id="d0", prefill_id=writer, block_ids=[1, 2], ttl_s=30)
-    registry.end_lease("b", "p0", "success")
-    assert registry.end_leases_of("p0") == 1  # "b" had already ended
-    assert [registry.get_lease(rid).state for rid in "abc"] == ["failed", "success", "pending"]
-    for rid in "abc":
-        registry.delete_lease(rid)
+# ---- the prefix index (its life with workers: test_prefix_index.py) ----------------------------------------------
 
 
 def test_prefix_owners_counts_leading_blocks_only(registry: Registry) -> None:
@@ -185,7 +141,7 @@ def test_entries_written_without_the_cluster_token_are_ignored(
         raw.hset(f"kvserve:worker:{worker_id}", mapping=fields)
         raw.sadd("kvserve:workers", worker_id)
 
-    with caplog.at_level(logging.WARNING, logger="kvstore.registry"):
+    with caplog.at_level(logging.WARNING, logger="cluster_state.registry"):
         for _ in range(3):
             assert [w.worker_id for w in registry.workers()] == ["d0"]
     assert sorted(r.getMessage().split("'")[1] for r in caplog.records) == ["bare", "copy", "evil"]  # once each
@@ -193,15 +149,6 @@ def test_entries_written_without_the_cluster_token_are_ignored(
     raw.hset("kvserve:worker:d0", "address", "10.6.6.6:50051")  # redirect the genuine worker's prompts
     assert registry.workers() == []
 
-    registry.put_lease("req-1", decode_id="d0", prefill_id="p0", block_ids=[1, 2], ttl_s=30)
-    raw.hset("kvserve:lease:req-1", "block_ids", "[1, 2, 3]")  # grant one more block
-    assert registry.get_lease("req-1") is None
-    raw.hset("kvserve:lease:req-2", mapping={"decode_id": "d0", "prefill_id": "p0", "block_ids": "[1]",
-                                             "state": "pending", "signature": "00" * 32})  # fmt: skip
-    assert registry.get_lease("req-2") is None
-
-    raw.set("kvserve:lease:req-3", "not a hash")  # keys of the wrong type do not break a caller either
-    assert registry.get_lease("req-3") is None
     raw.delete("kvserve:workers")
     raw.set("kvserve:workers", "not a set")
     assert registry.workers() == [] and not registry.redis_down  # the last view it read
@@ -271,7 +218,7 @@ def test_killed_redis_restarted_empty_relearns_the_worker_and_resyncs(caplog: py
         wait_until(lambda: not server.alive, timeout_s=2.0)
         load["free_blocks"] = 5
 
-        with caplog.at_level(logging.WARNING, logger="kvstore"):
+        with caplog.at_level(logging.WARNING, logger="cluster_state"):
             calls = [
                 (lambda: reg.workers(), known),
                 (lambda: reg.heartbeat("d0", free_blocks=1), False),

@@ -13,10 +13,10 @@ import pytest
 from router_utils import RouterStack, new_router
 from service_utils import TEST_SECURITY, InProcessServer
 
+from cluster_state.registry import Registry
+from cluster_state.workers import WorkerInfo
 from kvserve.client import Client, build_request
 from kvserve.redis_server import EmbeddedRedis
-from kvstore.registry import Registry
-from kvstore.workers import WorkerInfo
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from router.health import WorkerHealth
 from rpc.loop import AsyncioThread

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.workers import WorkerInfo
+from cluster_state.workers import WorkerInfo
 from router.routing import RoutingWeights, choose
 
 

@@ -1,10 +1,12 @@
 """``engine.Scheduler`` on its own: which sequences a step runs, in which order and with how many tokens; which
-sequence is preempted when blocks run out; no admission in a step that preempted. Blocks of 4 tokens."""
+sequence is preempted when blocks run out; no admission in a step that preempted; who may pass a sequence that
+does not fit; sequences waiting for remote KV. Blocks of 4 tokens."""
 
 from __future__ import annotations
 
+from engine.kv_connector import FinishedLoad, KVConnector
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import MAX_PASSED_OVER, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import IncrementalDetokenizer
 from kvstore import BlockManager
@@ -75,13 +77,91 @@ def test_the_most_recently_admitted_sequence_is_preempted_and_nobody_is_admitted
     assert len(b.token_ids) == 8 + 5  # its output is kept: it is recomputed, not restarted
 
 
-def test_admission_stops_at_the_first_waiting_sequence_that_does_not_fit():
+def test_a_sequence_that_does_not_fit_lets_smaller_ones_pass_until_it_has_waited_long_enough():
     scheduler = _scheduler(num_blocks=3, budget=64)
-    big, small = _seq("big", 16), _seq("small", 2)  # big needs 4 blocks of the 3
+    big, small = _seq("big", 16), _seq("small", 2)  # big needs 4 blocks of the 3: it can never fit here
     scheduler.add(big)
     scheduler.add(small)
-    assert _run(scheduler) == []  # arrival order: small waits behind big
-    assert list(scheduler.waiting) == [big, small]
+    assert _run(scheduler) == [("small", 2)]  # small goes ahead of big
+    assert list(scheduler.waiting) == [big]
+    scheduler.finish(small, "stop")
+    for i in range(MAX_PASSED_OVER - 1):  # more small ones keep passing it ...
+        scheduler.add(passer := _seq(f"s{i}", 2))
+        assert _run(scheduler) == [(f"s{i}", 2)]
+        scheduler.finish(passer, "stop")
+    scheduler.add(_seq("late", 2))  # ... until it has been passed MAX_PASSED_OVER times: now it blocks the queue
+    assert _run(scheduler) == []
+    assert [s.seq_id for s in scheduler.waiting] == ["big", "late"]
+
+
+class _RemoteLoads(KVConnector):
+    """Sequences whose ``kv_params`` is "remote" load every token after their cached prefix asynchronously;
+    the test finishes the loads."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.done: list[FinishedLoad] = []
+
+    def num_external_tokens(self, seq, num_cached_tokens):
+        return (seq.num_tokens - num_cached_tokens, True) if seq.kv_params == "remote" else (0, False)
+
+    def after_allocate(self, seq, num_external_tokens):
+        if num_external_tokens:
+            self.started.append(seq.seq_id)
+
+    def finished_loads(self):
+        done, self.done = self.done, []
+        return done
+
+
+def _remote_scheduler(num_blocks: int, max_num_seqs: int = 8) -> tuple[Scheduler, _RemoteLoads]:
+    connector = _RemoteLoads()
+    return Scheduler(BlockManager(num_blocks, BLOCK), max_num_seqs, 64, connector), connector
+
+
+def test_a_remote_load_holds_its_blocks_in_no_batch_and_runs_with_its_first_token_once_loaded():
+    scheduler, loads = _remote_scheduler(num_blocks=8)
+    remote, local = _seq("remote", 8), _seq("local", 8)
+    remote.kv_params = "remote"
+    scheduler.add(remote)
+    scheduler.add(local)
+    assert _run(scheduler) == [("local", 8)]  # the remote one computes nothing here
+    assert loads.started == ["remote"] and remote.status is SequenceStatus.WAITING_FOR_REMOTE_KV
+    assert scheduler.block_manager.num_free_blocks == 8 - 2 - 2  # its blocks are allocated and counted
+    loads.done.append(FinishedLoad("remote", 42))
+    assert scheduler.finish_loads(loads.finished_loads()) == [(remote, 42)]
+    assert remote.status is SequenceStatus.RUNNING and remote.num_computed_tokens == 8
+    remote.token_ids.append(42)  # the engine appends the loader's token
+    assert _run(scheduler) == [("local", 1), ("remote", 1)]
+
+
+def test_a_failed_load_frees_its_blocks_and_goes_back_to_the_front_of_the_queue():
+    scheduler, loads = _remote_scheduler(num_blocks=8)
+    remote, other = _seq("remote", 8), _seq("other", 12)
+    remote.kv_params = "remote"
+    scheduler.add(remote)
+    _run(scheduler)
+    scheduler.add(other)  # 3 blocks: fits beside remote's 2 ...
+    scheduler.finish_loads([FinishedLoad("remote", None)])
+    assert remote.status is SequenceStatus.WAITING and scheduler.block_manager.num_free_blocks == 8
+    assert list(scheduler.waiting) == [remote, other]  # ... and remote is admitted again first
+    _run(scheduler)
+    assert loads.started == ["remote", "remote"]
+
+
+def test_remote_loads_take_sequence_slots_and_are_never_preempted():
+    scheduler, _ = _remote_scheduler(num_blocks=3, max_num_seqs=2)
+    remote, a, b = _seq("remote", 4), _seq("a", 4), _seq("b", 4)
+    remote.kv_params = "remote"
+    for seq in (remote, a, b):
+        scheduler.add(seq)
+    assert _run(scheduler) == [("a", 4)]  # remote + a fill the 2 slots: b waits
+    assert [s.seq_id for s in scheduler.waiting] == ["b"]
+    for _ in range(5):  # a decodes into its second block, then needs a third ...
+        _run(scheduler)
+    # ... which does not exist (remote holds 1, a 2): a is preempted, never the remote load
+    assert remote.status is SequenceStatus.WAITING_FOR_REMOTE_KV
+    assert a.num_preemptions == 1 and "remote" in scheduler.waiting_for_kv
 
 
 def test_max_num_seqs_caps_the_running_batch():

@@ -8,10 +8,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from kvserve.cluster import free_base_port
 from kvserve.redis_server import EmbeddedRedis
@@ -23,7 +23,7 @@ from kvserve.scratch import (
     remove_dead_clusters,
     remove_if_abandoned,
 )
-from kvstore.transfer import pool_file_name
+from kvstore.shared_pool import pool_file_name
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ LAUNCHER = """
 import os, sys, time
 from kvserve.redis_server import EmbeddedRedis
 from kvserve.scratch import cluster_shm_dir, hold_dir
-from kvstore.transfer import pool_file_name
+from kvstore.shared_pool import pool_file_name
 
 pools = hold_dir(cluster_shm_dir(int(sys.argv[1])))
 (pools.path / pool_file_name("decode-0", os.getpid())).write_bytes(b"kv")
@@ -53,10 +53,8 @@ def _killed_launcher(port: int) -> tuple[Path, Path]:
         launcher.kill()
         launcher.wait()
         launcher.stdout.close()
-    deadline = time.monotonic() + 10
-    while process_alive(int(redis_pid)):  # the Redis server dies with its launcher
-        assert time.monotonic() < deadline, "the embedded Redis outlived its SIGKILLed launcher"
-        time.sleep(0.02)
+    wait_until(lambda: not process_alive(int(redis_pid)), 10, "the embedded Redis dying with its SIGKILLed launcher",
+               interval_s=0.02)  # fmt: skip
     return Path(pools), Path(redis_dir)
 
 

@@ -3,7 +3,6 @@ secret of the cluster (token, Redis password, API key) shows on a command line, 
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -18,7 +17,8 @@ from cluster_utils import free_base_port
 from engine import EngineConfig
 from kvserve.client import Client
 from rpc.auth import TOKEN_ENV, TOKEN_FILE_ENV
-from rpc.flags import REDIS_URL_ENV, add_worker_args, engine_config_from_args
+from rpc.options import REDIS_URL_ENV
+from rpc.settings import settings_from_argv
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -41,10 +41,7 @@ def _command_line(pid: int) -> str:
 def _engine_config_of(worker_port: int) -> EngineConfig:
     """The engine settings the worker listening on ``worker_port`` was started with, read from its command line."""
     [line] = _processes_mentioning(f"--port {worker_port}")
-    parser = argparse.ArgumentParser()
-    add_worker_args(parser, default_port=0)
-    args, _ = parser.parse_known_args(line.split()[4:])  # after "PID PYTHON -m ROLE_service"
-    return engine_config_from_args(args)
+    return settings_from_argv(EngineConfig, line.split()[4:])  # after "PID PYTHON -m ROLE_service"
 
 
 def _descendants(pid: int) -> list[int]:

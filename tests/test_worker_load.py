@@ -1,13 +1,13 @@
 """A worker's load in the registry is signed: a load rewritten without the cluster token neither steers a
-reader nor makes it drop the worker (kvstore/worker_reader.py). A real Redis."""
+reader nor makes it drop the worker (cluster_state/worker_reader.py). A real Redis."""
 
 from __future__ import annotations
 
 import logging
 
+from cluster_state.registry import Registry
+from cluster_state.workers import WorkerInfo
 from kvserve.redis_server import EmbeddedRedis
-from kvstore.registry import Registry
-from kvstore.workers import WorkerInfo
 from rpc.auth import Security
 
 SECURITY = Security(token="load-test-token")
@@ -28,7 +28,7 @@ def test_a_tampered_load_reads_as_the_last_verified_one_and_keeps_the_worker(red
     worker.heartbeat("d0", free_blocks=40, num_running=3, num_waiting=1)
     assert [_load(w) for w in reader.workers()] == [(40, 64, 3, 1)]
 
-    with caplog.at_level(logging.WARNING, logger="kvstore"):
+    with caplog.at_level(logging.WARNING, logger="cluster_state"):
         for forged in ({"num_running": "1000"}, {"num_running": "not a number"}, {"free_blocks": "-5"},
                        {"num_waiting": "0", "load_signature": "00" * 32}):  # fmt: skip
             raw.hset(KEY, mapping=forged)

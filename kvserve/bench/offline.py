@@ -5,6 +5,8 @@
         [--batch-sizes 1,64,256 --prompt-len 128 --max-tokens 256]         one row per batch size
         [--workload nano-vllm [--nano-requests 256 --nano-lengths 100,1024]]
         [--profile [--profile-batch 64 --profile-steps 10]]
+    kvserve bench offline --tiny [--batch-sizes 1,64,256 --tiny-prompt-len 16 --tiny-steps 48 --tiny-rounds 5]
+        [--tiny-cpu-time]
 
 Workloads, each timed after a warm-up, in one dtype and one thread count for both sides:
 
@@ -17,6 +19,8 @@ Workloads, each timed after a warm-up, in one dtype and one thread count for bot
 
 ``--baseline`` (``kvserve.bench.hf_baseline``): ``hf`` is transformers' dynamic cache, ``hf-static`` its
 static cache, which ``generate`` compiles with torch.compile on CUDA (``--no-compile`` turns that off).
+``--tiny`` times the decode step alone on a tiny random model, where host work dominates, against
+transformers' (``kvserve.bench.tiny``); it ignores ``--model`` and the other workloads.
 ``--profile`` first prints what ``kvserve.bench.profile`` finds in a few decode steps, on an engine with
 ``enforce_eager=True`` (the kernel launches per layer, GPU busy) and on the default one (CUDA graphs).
 """
@@ -135,6 +139,31 @@ def print_profiles(eager: DecodeProfile, graphs: DecodeProfile, batch: int, prom
     print(f"GPU busy (graphs): {_busy(graphs)}", flush=True)
 
 
+def tiny_table(batch_sizes: list[int], prompt_len: int, steps: int, rounds: int, cpu_time: bool = False) -> None:
+    """``kvserve.bench.tiny``'s table, on one thread: engine and transformers ms per decode step, their
+    ratio, the engine's ms in its model and host us per sequence; then attention against SDPA."""
+    import tempfile
+
+    from kvserve.bench import tiny
+    from kvserve.bench.report import table
+
+    torch.set_num_threads(1)
+    tiny.CLOCK = time.process_time if cpu_time else time.perf_counter
+    clock = "CPU" if cpu_time else "wall"
+    print(f"tiny model ({tiny.TINY_PRESET}, float32, 1 thread, {clock} time): {prompt_len}-token prompts, "
+          f"{steps} decode steps timed, median of {rounds} alternating rounds", flush=True)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = tiny.run(tiny.write_tiny_model(tmp), batch_sizes, prompt_len, steps, rounds)
+    header = ["batch", "engine ms", "hf ms", "engine/hf", "engine model ms", "host us/seq"]
+    print(table(header, [[r["batch"], r["engine_s"] * 1e3, r["hf_s"] * 1e3, r["engine_s"] / r["hf_s"],
+                          r["model_s"] * 1e3, r["host_per_seq_s"] * 1e6] for r in rows]))  # fmt: skip
+    print("host us/seq = (engine step - its time inside model forward and logits) / batch")
+    batch, length = max(batch_sizes), prompt_len + steps
+    paged, sdpa = tiny.attention_vs_sdpa_s(batch, length)
+    print(f"decode attention at batch {batch}, {length} tokens each: reference {paged * 1e6:.0f} us, "
+          f"SDPA over the tokens gathered {sdpa * 1e6:.0f} us ({paged / sdpa:.2f}x)", flush=True)  # fmt: skip
+
+
 def _int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
@@ -160,6 +189,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="profile decode steps, eager and with CUDA graphs")
     parser.add_argument("--profile-batch", type=int, default=64)
     parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument("--tiny", action="store_true", help="decode step time on a tiny model vs transformers")
+    parser.add_argument("--tiny-prompt-len", type=int, default=16)
+    parser.add_argument("--tiny-steps", type=int, default=48, help="decode steps timed per round")
+    parser.add_argument("--tiny-rounds", type=int, default=5)
+    parser.add_argument("--tiny-cpu-time", action="store_true", help="time CPU time, not wall (a busy machine)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                         help="share of the GPU's total memory for the engine (transformers: the rest)")  # fmt: skip
@@ -173,6 +207,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.tiny:
+        tiny_table(args.batch_sizes or [1, 64, 256], args.tiny_prompt_len, args.tiny_steps, args.tiny_rounds,
+                   args.tiny_cpu_time)  # fmt: skip
+        return
     from engine import LLM
     from engine.bundled import resolve_model
 

@@ -1,11 +1,12 @@
-"""KV hand-off cost for one prompt's KV: ``shm`` (stores into a mapped pool) and ``grpc`` (chunks to PushKV).
+"""KV hand-off cost for one prompt's KV: ``shm`` (a copy into a mapped pool) and ``grpc`` (chunks to PushKV).
 
     kvserve bench transfer [--tokens 2048] [--repeats 5]
 
-shm: the prefill worker's attention layers store every new token's K and V into the decode worker's
-mapped pool file: the time of those stores for all layers is the whole transfer. grpc: read the
-blocks out of the prefill pool, stream them to a real decode worker's ``PushKV`` over loopback, which
-verifies each chunk and writes it into its pool. Both on the bundled model's KV layout.
+shm: the prefill worker's KV connector (``prefill_service.handoff``) copies the prompt's blocks, layer by
+layer, from its own pool into the decode worker's mapped pool file: that copy is the whole transfer. grpc: the ``grpc``
+transport (``transfer.grpc_stream``) reads the blocks out of the prefill pool and streams them to a real
+decode worker's ``PushKV`` over loopback, which verifies each chunk and writes it into its pool. Both on
+the bundled model's KV layout.
 """
 
 from __future__ import annotations
@@ -24,24 +25,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
 
-    import kernels
-    from decode_service.kv_receiver import KVReceiver
     from engine import LLMEngine
     from kvstore import KVCache
-    from kvstore.transfer import (
-        checksum,
-        checksum_blocks,
-        chunked,
-        create_shared_pool,
-        fingerprint,
-        open_shared_pool,
-        read_blocks,
-    )
-    from protos.kvserve.v1 import kvserve_pb2 as pb
-    from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+    from kvstore.kv_cache import copy_blocks
+    from kvstore.layout import fingerprint
+    from kvstore.shared_pool import create_shared_pool
     from rpc.auth import Security
     from rpc.loop import AsyncioThread
     from rpc.server import add_service, new_server, start_server
+    from transfer.blocks import checksum_blocks
+    from transfer.grpc_stream import GrpcTransport, KVReceiver
+    from transfer.shm import open_shared_pool
+    from transfer.transport import Origin
 
     block_size = 16
     num_blocks = args.tokens // block_size + 8
@@ -52,26 +47,24 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.tokens} tokens of {decode.model_config.architecture} KV: {nbytes / 2**20:.1f} MiB "
           f"({spec.num_layers} layers, {spec.num_kv_heads} KV heads x {spec.head_dim}, {spec.dtype})")  # fmt: skip
 
-    # shm: one store per layer of this prompt's K and V into a mapped pool file
+    source = KVCache(spec, num_blocks, "cpu")  # the prefill worker's own pool, holding the prompt's blocks
+    source.buffer.copy_(torch.randint(0, 255, source.buffer.shape, dtype=torch.uint8))
+
+    # shm: the blocks copied, layer by layer, into a mapped pool file
     pool, path = create_shared_pool(spec, num_blocks, "bench")
     try:
         mapped = open_shared_pool(spec, num_blocks, path)
-        k = torch.randn(args.tokens, spec.num_kv_heads, spec.head_dim)
-        v = torch.randn_like(k)
-        slots = torch.arange(args.tokens)
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            for layer in mapped.layers:
-                kernels.store_kvcache(k, v, layer.k_cache, layer.v_cache, slots)
+            copy_blocks(source.layers, blocks, mapped.layers, blocks)
             times.append(time.perf_counter() - start)
         shm = median(times)
+        assert checksum_blocks(mapped, blocks) == checksum_blocks(source, blocks)
     finally:
         path.unlink()
 
     # grpc: the decode worker's PushKV receiver on loopback, every block leased to the request and "bench"
-    source = KVCache(spec, num_blocks, "cpu")
-    source.buffer.copy_(torch.randint(0, 255, source.buffer.shape, dtype=torch.uint8))
     fp = fingerprint(decode.model_config.architecture, spec)
     receiver = KVReceiver(decode.runner.kv_cache, fp, lease_holder=lambda request_id: (blocks, "bench"))
     security = Security(token="bench")  # the interceptor's token check is part of every real hand-off
@@ -83,22 +76,16 @@ def main(argv: list[str] | None = None) -> None:
         return server, port
 
     server, port = aio.run(serve())
+    transport = GrpcTransport("bench-decode", f"127.0.0.1:{port}", Origin(spec, fp, "bench", security))
     times = []
     try:
-        with security.channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.KVTransferStub(channel)
-            for i in range(args.repeats):
-                rid = f"bench-{i}"
-                start = time.perf_counter()
-                parts = [(chunk, read_blocks(source, chunk)) for chunk in chunked(blocks)]
-                chunks = [pb.KVChunk(request_id=rid, fingerprint=fp, block_ids=chunk, data=data,
-                                     checksum=checksum(data)) for chunk, data in parts]  # fmt: skip
-                reply = stub.PushKV(iter(chunks), timeout=60, metadata=security.metadata("bench"))
-                times.append(time.perf_counter() - start)
-                assert (
-                    reply.checksum == checksum_blocks(source, blocks) == checksum_blocks(decode.runner.kv_cache, blocks)
-                )
+        for i in range(args.repeats):
+            start = time.perf_counter()
+            digest = aio.run(transport.finish(f"bench-{i}", blocks, transport.take(source, blocks)))
+            times.append(time.perf_counter() - start)
+            assert digest == checksum_blocks(source, blocks) == checksum_blocks(decode.runner.kv_cache, blocks)
     finally:
+        transport.close()
         aio.run(server.stop(0))
         aio.stop()
     rpc = median(times)

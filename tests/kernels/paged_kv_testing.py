@@ -20,7 +20,6 @@ import torch
 from kernels import reference
 
 HAS_CUDA = torch.cuda.is_available()
-requires_cuda = pytest.mark.gpu  # skipped without CUDA by the hook in tests/conftest.py
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

@@ -8,7 +8,6 @@ from paged_kv_testing import (  # noqa: F401  (interpreted_triton: an autouse fi
     interpreted_triton,
     make_paged_kv,
     random_tensor,
-    requires_cuda,
     triton_ops,
 )
 
@@ -130,7 +129,7 @@ def test_num_splits_fill_the_gpu(num_seqs, num_kv_heads, max_seq_len, tile_token
 
 
 @pytest.mark.gpu
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (14, 2, 64)])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8_v", "int8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -17,7 +17,6 @@ from paged_kv_testing import (  # noqa: F401  (interpreted_triton: an autouse fi
     assert_matches,
     interpreted_triton,
     random_tensor,
-    requires_cuda,
     triton_ops,
 )
 
@@ -168,7 +167,7 @@ MAX_LAUNCHES_PER_LAYER = 12
 
 
 @pytest.mark.gpu
-@requires_cuda
+@pytest.mark.gpu
 def test_decode_step_launches_at_most_12_kernels_per_layer(tmp_path):
     """Eager decode steps of 8 sequences on a random Qwen2-0.5B-shaped model (4 layers, bf16, q/k/v biases).
 

@@ -8,7 +8,6 @@ from paged_kv_testing import (  # noqa: F401  (interpreted_triton: an autouse fi
     interpreted_triton,
     make_paged_kv,
     random_tensor,
-    requires_cuda,
     triton_ops,
 )
 
@@ -76,7 +75,7 @@ def test_prefill_int8_prefix_within_bound(kv_cache_dtype):
 
 
 @pytest.mark.gpu
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (14, 2, 64)])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8_v", "int8"])
 def test_prefill_large_bf16_on_gpu(num_q_heads, num_kv_heads, head_dim, kv_cache_dtype):

@@ -7,7 +7,6 @@ from paged_kv_testing import (  # noqa: F401  (interpreted_triton: an autouse fi
     HAS_CUDA,
     interpreted_triton,
     random_tensor,
-    requires_cuda,
     triton_ops,
 )
 
@@ -122,7 +121,7 @@ def test_store_of_nothing_is_a_no_op():
 
 
 @pytest.mark.gpu
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8_v", "int8"])
 def test_store_16k_tokens_bf16_on_gpu(kv_cache_dtype):
     generator = torch.Generator().manual_seed(3)

@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 
-from kvstore.prefix_index import PrefixIndex
+from cluster_state.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 

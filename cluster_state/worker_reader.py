@@ -1,7 +1,7 @@
 """How a reader of the registry turns worker hashes into ``WorkerInfo``: what it drops, and what it assumes.
 
 Anyone who can write to Redis can write a worker hash, so a reader trusts only what the cluster token signed
-(kvstore/workers.py):
+(cluster_state/workers.py):
 
 * a hash whose signed fields do not verify, that is malformed, or that is filed under another worker's id is
   dropped: nothing in it can be trusted, not even that the worker exists;
@@ -22,7 +22,7 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from kvstore.workers import LOAD_FIELDS, WorkerInfo, verified_load
+from cluster_state.workers import LOAD_FIELDS, WorkerInfo, verified_load
 
 if TYPE_CHECKING:
     from rpc.auth import Security

@@ -1,6 +1,7 @@
 """A failure ends the requests it concerns, never the worker: an injected model-step error on a decode worker
 and on a prefill worker (real engines and servers; the fault is one raised exception in the model run).
-SIGTERM drains a decode worker process: the running request finishes, new ones are turned away."""
+SIGTERM drains a decode worker process: the running request finishes, new ones are turned away. Faults of whole
+processes under supervision: tests/test_faults.py."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ import pytest
 from cluster_utils import free_base_port
 from service_utils import TEST_SECURITY, InProcessServer
 
+from cluster_state import lease
 from decode_service.worker import DecodeWorker
 from engine import LLMEngine
 from prefill_service.worker import PrefillWorker
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from rpc import lease
 from rpc.auth import TOKEN_ENV
 from rpc.loop import AsyncioThread
 from rpc.server import wait_healthy

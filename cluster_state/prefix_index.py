@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvstore.redis_link import RedisLink
+from cluster_state.redis_link import RedisLink
 
 
 def prefix_key(block_hash: str) -> str:

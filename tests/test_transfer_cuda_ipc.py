@@ -6,6 +6,7 @@ thread; ``kvserve bench cuda_ipc`` opens one first thing): opening must set CUDA
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from service_utils import TEST_SECURITY
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +22,8 @@ OWNER = textwrap.dedent(
     """
     import sys, torch
     from kvstore import KVCache, KVCacheSpec
-    from kvstore.transfer import checksum_blocks, export_cuda_ipc
+    from transfer.blocks import checksum_blocks
+    from transfer.cuda_ipc import export_cuda_ipc
     spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
     pool = KVCache(spec, 64, "cuda")
     print(export_cuda_ipc(pool).decode(), flush=True)
@@ -36,20 +39,24 @@ OWNER = textwrap.dedent(
 def test_second_process_writes_into_exported_pool():
     import kernels
     from kvstore import KVCacheSpec
-    from kvstore.transfer import checksum_blocks, open_cuda_ipc_pool
+    from protos.kvserve.v1 import kvserve_pb2 as pb
+    from transfer.cuda_ipc import CudaIpcTransport
+    from transfer.transport import Origin
 
     owner = subprocess.Popen([sys.executable, "-c", OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         handle = owner.stdout.readline().strip().encode()
         spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
-        remote = open_cuda_ipc_pool(spec, 64, handle)
+        dest = pb.KVDestination(backend="cuda_ipc", worker_id="decode-0", num_blocks=64, cuda_ipc_handle=handle)
+        transport = CudaIpcTransport.open(dest, Origin(spec, "fp", "prefill-0", TEST_SECURITY))
+        remote = transport.pool
         k = torch.full((32, 2, 64), 1.5, dtype=torch.bfloat16, device="cuda")
         v = torch.full_like(k, -2.0)
         slots = torch.cat([torch.arange(5 * 16, 6 * 16), torch.arange(9 * 16, 10 * 16)]).cuda()
         layer = remote.layers[3]
         kernels.store_kvcache(k, v, layer.k_cache, layer.v_cache, slots)
         torch.cuda.synchronize()
-        mine = checksum_blocks(remote, [5, 9])
+        mine = asyncio.run(transport.finish("r", [5, 9], transport.take(remote, [5, 9])))
         owner.stdin.write("done\n")
         owner.stdin.flush()
         status, theirs = owner.stdout.readline().split()
@@ -66,7 +73,8 @@ FRESH_OPENER = textwrap.dedent(
     import sys, torch
     assert not torch.cuda.is_initialized()
     from kvstore import KVCacheSpec
-    from kvstore.transfer import open_cuda_ipc_pool, read_blocks
+    from transfer.blocks import read_blocks
+    from transfer.cuda_ipc import open_cuda_ipc_pool
     spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
     remote = open_cuda_ipc_pool(spec, 64, sys.argv[1].encode())
     print(read_blocks(remote, [5, 9]).hex(), flush=True)
@@ -82,7 +90,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_fresh_process_opens_exported_pool():
     from kvstore import KVCache, KVCacheSpec
-    from kvstore.transfer import export_cuda_ipc, read_blocks
+    from transfer.blocks import read_blocks
+    from transfer.cuda_ipc import export_cuda_ipc
 
     spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
     written = torch.randint(0, 256, (spec.total_bytes(64),), dtype=torch.uint8,

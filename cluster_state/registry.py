@@ -4,25 +4,27 @@ Keys (namespace ``kvserve:``):
 
 * ``kvserve:workers`` — set of registered worker ids; it may still name dead workers, readers prune them;
 * ``kvserve:worker:{id}`` — hash describing one worker, expiring ``ttl_s`` after its last heartbeat;
-* ``kvserve:lease:{request_id}`` — hash for one in-flight transfer (decode, prefill, block ids, state), with a TTL;
-  its writer ends it (``end_lease``) once it will never write again, so the holder may free held blocks early;
-* ``kvserve:prefix:{block_hash}`` — set of ids of the workers that hold that full block (``registry.prefix_index``,
-  kvstore/prefix_index.py).
+* ``kvserve:lease:{request_id}`` — a ``LeaseRecord`` (cluster_state/lease.py: decode, prefill, block ids,
+  state), with a TTL; its holder puts and deletes it (``put_lease``, ``delete_lease``), its writer ends it
+  (``end_lease``) once it will never write again, so the holder may free held blocks early;
+* ``kvserve:prefix:{block_hash}`` — set of ids of the workers that hold that full block
+  (``registry.prefix_index``, cluster_state/prefix_index.py).
 
 Life of a worker here: ``register(info)`` writes its hash and adds it to the set; ``start_heartbeat`` refreshes
 its load and TTL every ``ttl_s / 3``; ``stop()`` ends the thread and deregisters. A worker that dies without
 ``stop()`` vanishes from ``workers()`` within ``ttl_s``.
 
-Trust: worker hashes (their load apart) and leases are signed, under keys per purpose (kvstore/workers.py)
-and readers drop records that do not verify, so a process that can write to Redis but lacks the token can
-neither pose as a worker (and receive prompts) nor grant itself KV blocks. A worker's load, rewritten by every
-heartbeat, is signed on its own; a reader ignores a load that does not verify (kvstore/worker_reader.py).
+Trust: worker hashes (their load apart) and leases are signed, under keys per purpose (cluster_state/workers.py,
+cluster_state/lease.py) and readers drop records that do not verify, so a process that can write to Redis but
+lacks the token can neither pose as a worker (and receive prompts) nor grant itself KV blocks. A worker's
+load, rewritten by every heartbeat, is signed on its own; a reader ignores a load that does not verify
+(cluster_state/worker_reader.py).
 
-Redis is advisory: no request depends on it. Calls go through a ``RedisLink`` (kvstore/redis_link.py): during
-an outage they return at once, without waiting on a socket, with a fallback answer: ``workers()`` the last
-view it read, the others an empty answer (``{}``, ``None`` or ``False``). When Redis comes back, the
-heartbeat thread (kvstore/heartbeat.py) registers this worker again if Redis lost it and calls the worker's
-``on_resync`` so that it republishes its leases and prefix blocks.
+Redis is advisory: no request depends on it. Calls go through a ``RedisLink`` (cluster_state/redis_link.py):
+during an outage they return at once, without waiting on a socket, with a fallback answer: ``workers()`` the
+last view it read, the others an empty answer (``{}``, ``None`` or ``False``). When Redis comes back, the
+heartbeat thread (cluster_state/heartbeat.py) registers this worker again if Redis lost it and calls the
+worker's ``on_resync`` so that it republishes its leases and prefix blocks.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvstore.heartbeat import HEARTBEAT_SCRIPT, Heartbeat
-from kvstore.prefix_index import PrefixIndex
-from kvstore.redis_link import RedisLink
-from kvstore.worker_reader import WorkerReader
-from kvstore.workers import LEASE_STATES, LOAD_FIELDS, Lease, Role, WorkerInfo, check_load
+from cluster_state.heartbeat import HEARTBEAT_SCRIPT, Heartbeat
+from cluster_state.lease import LeaseRecord, end_signature
+from cluster_state.prefix_index import PrefixIndex
+from cluster_state.redis_link import RedisLink
+from cluster_state.worker_reader import WorkerReader
+from cluster_state.workers import LOAD_FIELDS, Role, WorkerInfo, check_load
 
 if TYPE_CHECKING:
     from rpc.auth import Security
@@ -203,7 +206,7 @@ class Registry:
         """Heartbeat this registry's worker from a daemon thread every ``interval_s`` (default ``ttl_s / 3``).
 
         ``info_fn()`` returns the current load fields. ``on_resync()``, when given, is called from that thread
-        after Redis came back or lost the worker (see kvstore/heartbeat.py): republish leases and prefix blocks
+        after Redis came back or lost the worker (see cluster_state/heartbeat.py): republish leases and prefix blocks
         there.
         """
         interval_s = self.ttl_s / 3 if interval_s is None else interval_s
@@ -231,11 +234,11 @@ class Registry:
     def put_lease(
         self, request_id: str, decode_id: str, prefill_id: str, block_ids: Sequence[int], ttl_s: float
     ) -> bool:
-        """Record (or replace) the signed lease for ``request_id`` in state ``pending``, expiring after ``ttl_s``."""
+        """The holder ``decode_id`` records (or replaces) its lease for ``request_id``: ``pending``, for ``ttl_s``."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         key = _lease_key(request_id)
-        fields = Lease(request_id, decode_id, prefill_id, list(block_ids)).to_redis(self._security)
+        fields = LeaseRecord(request_id, decode_id, prefill_id, list(block_ids)).to_redis(self._security)
 
         def write() -> bool:
             pipe = self._redis.pipeline(transaction=True)
@@ -247,23 +250,21 @@ class Registry:
 
         return self._link.call("put_lease", write, False)
 
-    def get_lease(self, request_id: str) -> Lease | None:
-        """The lease, or None when it expired, was deleted, never existed, does not verify, or Redis is down."""
+    def get_lease(self, request_id: str) -> LeaseRecord | None:
+        """The lease's record; None when it expired, was deleted, never existed, does not verify, or Redis is down."""
         fields = self._link.call("get_lease", lambda: self._redis.hgetall(_lease_key(request_id)), {})
         if not fields:
             return None
         try:
-            return Lease.from_redis(request_id, fields, self._security)
+            return LeaseRecord.from_redis(request_id, fields, self._security)
         except (KeyError, ValueError) as exc:
             logger.warning("ignoring lease %r: %s", request_id, exc)
             return None
 
     def end_lease(self, request_id: str, prefill_id: str, state: str) -> bool:
-        """The writer ``prefill_id`` will never write under this lease again: set its final ``state`` (signed),
-        keeping the TTL. False when the lease is gone (or Redis is down)."""
-        if state not in LEASE_STATES[1:]:
-            raise ValueError(f"a lease ends in one of {LEASE_STATES[1:]}, got {state!r}")
-        signature = Lease.end_signature(self._security, request_id, prefill_id, state)
+        """The writer ``prefill_id`` will never write under this lease again: set its final ``state`` (one of
+        ``FINAL_STATES``, signed), keeping the TTL. False when the lease is gone (or Redis is down)."""
+        signature = end_signature(self._security, request_id, prefill_id, state)
         key = _lease_key(request_id)
 
         def update() -> bool:
@@ -286,7 +287,8 @@ class Registry:
         return sum(self.end_lease(rid, prefill_id, "failed") for rid in self._link.call("end_leases_of", pending, []))
 
     def delete_lease(self, request_id: str, prefill_id: str | None = None) -> None:
-        """Delete the lease; with ``prefill_id``, only while it names that writer (a retry may have replaced it)."""
+        """The holder deletes the lease's record; with ``prefill_id``, only while it names that writer (a retry
+        may have replaced it)."""
         key = _lease_key(request_id)
         if prefill_id is None:
             self._link.call("delete_lease", lambda: self._redis.delete(key), None)

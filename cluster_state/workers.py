@@ -1,19 +1,17 @@
-"""What the registry stores about the cluster: workers (``WorkerInfo``) and in-flight KV transfers (``Lease``).
+"""What the registry stores about each worker (``WorkerInfo``), with its Redis hash encoding.
 
-Plain records with their Redis hash encoding; ``kvstore.registry.Registry`` reads and writes them. The
-encoding is signed: ``to_redis`` adds an HMAC (``rpc.auth.Security.sign``) over the fields that say who may
-do what, and ``from_redis`` refuses a hash whose signature does not verify. A worker's load, which steers
-routing too, carries a signature of its own (``load_to_redis``), so that each heartbeat can rewrite it
-alone; ``verified_load`` reads it back only when that signature verifies. Each kind of record is signed for
-its own purpose (``worker``, ``worker-load``, ``lease-record``, ``lease-end``), so none verifies as another:
-worker records under the registry key, which every member holds, leases under the lease key, which only
-decode and prefill workers hold (``rpc.keys``).
+``cluster_state.registry.Registry`` reads and writes these records. The encoding is signed: ``to_redis`` adds
+an HMAC (``rpc.auth.Security.sign``) over the fields that say who the worker is and where it serves, and
+``from_redis`` refuses a hash whose signature does not verify. A worker's load, which steers routing too,
+carries a signature of its own (``load_to_redis``), so that each heartbeat can rewrite it alone;
+``verified_load`` reads it back only when that signature verifies. Each kind of record is signed for its own
+purpose (here ``worker`` and ``worker-load``, under the registry key, which every member holds; the lease's
+records in cluster_state/lease.py under the lease key), so none verifies as another (``rpc.keys``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import socket
 import time
 from collections.abc import Mapping
@@ -28,10 +26,6 @@ Role = Literal["prefill", "decode", "router"]
 ROLES: tuple[str, ...] = get_args(Role)
 LOAD_FIELDS = ("free_blocks", "total_blocks", "num_running", "num_waiting")
 SIGNED_FIELDS = ("worker_id", "role", "address", "host_id", "device", "fingerprint", "block_size", "started_at")
-# A lease is ``pending`` while its writer may still write. The writer alone ends it, once it will never write
-# under it again: ``success`` (all blocks written) or ``failed`` (stopped, or never started); a restarted worker
-# ends the leases its dead predecessor held. Its holder may then free the blocks before the lease runs out.
-LEASE_STATES = ("pending", "success", "failed")
 
 
 def local_host_id() -> str:
@@ -124,51 +118,6 @@ def verified_load(fields: Mapping[str, str], security: Security) -> dict[str, in
 
 def _load_parts(worker_id: str, started_at: str, load: Mapping[str, str]) -> list[str]:
     return ["worker-load", worker_id, started_at, *(load[name] for name in LOAD_FIELDS)]
-
-
-@dataclass(frozen=True)
-class Lease:
-    """An in-flight KV transfer: ``prefill_id`` writes into ``block_ids`` of ``decode_id`` for ``request_id``.
-
-    The decode worker's ``signature`` covers everything but ``state``; a final state carries the writer's own
-    ``state_signature`` (``end_signature``), and one that does not verify reads as ``pending``.
-    """
-
-    request_id: str
-    decode_id: str
-    prefill_id: str
-    block_ids: list[int]
-    state: str = "pending"
-
-    def to_redis(self, security: Security) -> dict[str, str]:
-        fields = {"decode_id": self.decode_id, "prefill_id": self.prefill_id,
-                  "block_ids": json.dumps([int(b) for b in self.block_ids]), "state": self.state}  # fmt: skip
-        fields["signature"] = security.sign("lease-record", self.request_id, *_lease_parts(fields))
-        return fields
-
-    @classmethod
-    def from_redis(cls, request_id: str, fields: Mapping[str, str], security: Security) -> Lease:
-        """Inverse of ``to_redis``; raises ``KeyError`` or ``ValueError`` on a malformed or unverified hash."""
-        if not security.verify(fields.get("signature", ""), "lease-record", request_id, *_lease_parts(fields)):
-            raise ValueError(f"lease {request_id!r} does not verify")
-        state = fields["state"]
-        if state != "pending" and not security.verify(fields.get("state_signature", ""),
-                                                      *_end_parts(request_id, fields["prefill_id"], state)):
-            state = "pending"  # only the writer can end its lease
-        return cls(request_id, fields["decode_id"], fields["prefill_id"], json.loads(fields["block_ids"]), state)
-
-    @staticmethod
-    def end_signature(security: Security, request_id: str, prefill_id: str, state: str) -> str:
-        """The writer's signature of a final ``state`` of its lease for ``request_id``."""
-        return security.sign(*_end_parts(request_id, prefill_id, state))
-
-
-def _end_parts(request_id: str, prefill_id: str, state: str) -> list[str]:
-    return ["lease-end", request_id, prefill_id, state]
-
-
-def _lease_parts(fields: Mapping[str, str]) -> list[str]:
-    return [fields.get(name, "") for name in ("decode_id", "prefill_id", "block_ids")]
 
 
 def check_load(load: Mapping[str, Any]) -> None:

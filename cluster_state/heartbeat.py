@@ -19,10 +19,10 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from kvstore.redis_link import RedisLink
+from cluster_state.redis_link import RedisLink
 
 if TYPE_CHECKING:
-    from kvstore.registry import Registry
+    from cluster_state.registry import Registry
 
 logger = logging.getLogger(__name__)
 

@@ -1,16 +1,19 @@
-"""A shared-memory KV pool is made only where it fits: a sparse pool file on a full tmpfs kills its worker with
-SIGBUS on some later write (Docker gives a container 64 MiB of /dev/shm), so it falls back to private memory."""
+"""This process's KV pool in a shared-memory file: made only where it fits (a sparse pool file on a full tmpfs
+kills its worker with SIGBUS on some later write; Docker gives a container 64 MiB of /dev/shm), so it falls
+back to private memory; named for its owner's pid, so a dead owner's file is found and removed."""
 
 from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from kvstore import KVCacheSpec
-from kvstore.transfer import SHM_DIR_ENV, create_shared_pool
+from kvstore.shared_pool import SHM_DIR_ENV, create_shared_pool, pool_file_name, pool_file_pid, remove_stale_pools
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 NUM_BLOCKS = 64  # 32 KiB
@@ -48,7 +51,7 @@ def test_a_pool_that_fits_lives_in_a_private_shared_memory_file(pool_dir, monkey
 
 def test_a_pool_larger_than_the_free_space_falls_back_to_private_memory_with_a_warning(pool_dir, monkeypatch, caplog):
     _free_space(monkeypatch, pool_dir, POOL_BYTES // 2)
-    with caplog.at_level(logging.WARNING, logger="kvstore.transfer"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.shared_pool"):
         pool, path = create_shared_pool(SPEC, NUM_BLOCKS, "decode-full")
     assert path is None
     assert list(pool_dir.iterdir()) == []  # no pool file for anyone to map
@@ -64,7 +67,19 @@ def test_space_that_other_pools_may_still_claim_does_not_count_as_free(pool_dir,
     """Two pools that each fit the free space alone must not both be made: their pages come later."""
     _free_space(monkeypatch, pool_dir, POOL_BYTES + POOL_BYTES // 2)
     _, first = create_shared_pool(SPEC, NUM_BLOCKS, "decode-a")
-    with caplog.at_level(logging.WARNING, logger="kvstore.transfer"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.shared_pool"):
         _, second = create_shared_pool(SPEC, NUM_BLOCKS, "decode-b")
     assert first is not None and second is None
     assert "promised to other KV pools" in caplog.text
+
+
+def test_pool_files_of_dead_owners_are_removed(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)  # that process has exited: nobody holds its pid's pool any more
+    live, stale = tmp_path / pool_file_name("decode-0", os.getpid()), tmp_path / pool_file_name("decode-0", dead_pid)
+    other = tmp_path / "kvserve-notes-txt"
+    for path in (live, stale, other):
+        path.write_bytes(b"kv")
+    assert pool_file_pid(live.name) == os.getpid() and pool_file_pid(other.name) is None
+    assert remove_stale_pools(tmp_path) == [stale]
+    assert sorted(tmp_path.iterdir()) == sorted([live, other])

@@ -1,67 +1,14 @@
-"""Decode admission limits and router fail-over, with in-process servers on real gRPC loopback."""
+"""``router.server``: fail-over to another decode worker before the first token, and the in-flight count of each
+choice, with in-process servers on real gRPC loopback. A stream that fails mid-way: tests/test_router_migration.py."""
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 
-import grpc
-import pytest
 from router_utils import RouterStack, new_router
-from service_utils import TEST_SECURITY, InProcessServer
+from service_utils import InProcessServer
 
-from decode_service.worker import DecodeWorker
-from engine import LLMEngine
 from kvserve.client import Client
-from protos.kvserve.v1 import kvserve_pb2 as pb
-from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from rpc.loop import AsyncioThread
-
-
-@pytest.fixture(scope="module")
-def small_decode():
-    """A decode worker with 8 blocks (128 tokens) and room for one request waiting for blocks."""
-    engine = LLMEngine(model="default", num_blocks=8, block_size=16)
-    aio = AsyncioThread()
-    worker = DecodeWorker(engine, "decode-small", "127.0.0.1:0", aio, TEST_SECURITY, max_waiting=1)
-    worker.loop.start()
-    server = InProcessServer({"Decode": worker}, aio=aio)
-    yield server.address, worker
-    server.stop()
-    worker.stop()
-    aio.stop()
-
-
-def _decode_request(prompt, max_tokens):
-    sampling = pb.SamplingOptions(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return pb.DecodeRequest(request_id="r", prompt_token_ids=prompt, sampling=sampling)
-
-
-def test_full_waiting_queue_gets_resource_exhausted(small_decode):
-    address, worker = small_decode
-    with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.DecodeStub(channel)
-        meta = TEST_SECURITY.metadata()
-        # holds 8 of 8 blocks at its end
-        first = stub.Generate(_decode_request(list(range(100, 200)), 27), metadata=meta)
-        next(first)  # running
-        second = stub.Generate(_decode_request(list(range(300, 400)), 4), metadata=meta)  # waits for blocks
-        second_tokens = []
-        thread = threading.Thread(target=lambda: second_tokens.extend(t for m in second for t in m.token_ids))
-        thread.start()
-        deadline = time.monotonic() + 10
-        while worker.load()["num_waiting"] < 1:  # the second request is queued, waiting for blocks
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(_decode_request([1, 2, 3], 2), metadata=meta))
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "queue limit" in err.value.details()
-        assert sum(len(m.token_ids) for m in first) == 26  # the first one finishes normally
-        thread.join(timeout=60)
-    assert len(second_tokens) == 4  # and the waiting one gets its blocks afterwards
-    assert worker.engine.block_manager.num_free_blocks == 8
 
 
 def test_router_fails_over_to_another_decode_worker(model_dir, caplog):
@@ -106,7 +53,7 @@ class socket_free_port:
 def test_router_counts_each_choice_as_it_makes_it(model_dir):
     """Requests between two heartbeats: a request ranks the workers and counts its choices with no await in
     between, so 8 requests split 4/4 over two idle workers of each role, and releases undo the counts."""
-    from kvstore.workers import WorkerInfo
+    from cluster_state.workers import WorkerInfo
     from router.routing import choose
 
     router = new_router(model_dir, [])

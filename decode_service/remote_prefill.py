@@ -1,0 +1,159 @@
+"""The decode worker's KV connector: a request's prompt KV comes from a prefill worker.
+
+The engine's scheduler admits the request (it owns the waiting queue and the blocks); this connector says
+whether its prompt is loaded from outside and does the loading:
+
+* ``num_external_tokens``: a queued request is prefilled remotely when a live, untried prefill worker with
+  our layout exists (every token after our cached prefix comes from there, asynchronously); otherwise it is
+  computed here, by the engine's own chunked prefill (``local``).
+* ``after_allocate``: its blocks are allocated: lease those after our cached prefix to the prefill worker
+  and call its ``Prefill`` (PREFILLING). A prefill worker that maps our pool may read the cached prefix
+  blocks in place (``prefill_reads_cached_prefix``).
+* ``finished_loads``: a call that answered with a checksum matching our blocks makes the request run with
+  the prefill worker's first token (RUNNING). A failed, expired or mismatched one sends it back to the
+  waiting queue (QUEUED), to be tried on another prefill worker, then locally; blocks its writer may still
+  touch are first quarantined (``prefill_client.Quarantine``: renamed in the block manager, so the engine
+  frees only the rest).
+* ``request_finished``: a request that ends while its prefill is in flight cancels the call and
+  quarantines its blocks the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from decode_service.prefill_client import PrefillClient, Quarantine
+from decode_service.request import ActiveRequest, Admission, RequestState
+from engine.kv_connector import FinishedLoad, KVConnector
+from engine.sequence import Sequence
+from kvstore.kv_cache import KVCache
+from protos.kvserve.v1 import kvserve_pb2 as pb
+from transfer.backend import LOCAL, Backend, Endpoint, choose_backend
+
+log = logging.getLogger(__name__)
+S = RequestState
+
+
+@dataclass(frozen=True)
+class PoolOffer:
+    """What this decode worker tells a prefill worker about its pool, in every lease."""
+
+    worker_id: str
+    address: str
+    fingerprint: str
+    endpoint: Endpoint
+    num_blocks: int
+    shm_path: str = ""
+    cuda_ipc_handle: bytes = b""
+
+
+class RemotePrefillConnector(KVConnector):
+    def __init__(self, pool: PoolOffer, kv_cache: KVCache, block_size: int, prefills: PrefillClient,
+                 quarantine: Quarantine, admission: Admission, wake: Callable[[], None], revoke_lock: threading.Lock,
+                 forced: Backend | None = None, offer_cached_prefix: bool = True) -> None:  # fmt: skip
+        self.pool, self.kv_cache, self.block_size = pool, kv_cache, block_size
+        self.prefills, self.quarantine, self.admission, self.wake = prefills, quarantine, admission, wake
+        self.forced, self.offer_cached_prefix = forced, offer_cached_prefix
+        self.in_flight: dict[str, ActiveRequest] = {}  # PREFILLING requests by id
+        self.revoke_lock = revoke_lock  # PushKV holds it while it writes under a lease (``lease_holder``)
+        self._failed_to_start: list[str] = []
+
+    # -- scheduler side ----------------------------------------------------------------------------------
+
+    def num_external_tokens(self, seq: Sequence, num_cached_tokens: int) -> tuple[int, bool]:
+        req: ActiveRequest | None = seq.kv_params
+        if req is None or req.state is not S.QUEUED:
+            return 0, False  # already prefilled once (a preempted request is recomputed here)
+        req.target = self.prefills.pick(req.tried, req.preferred_prefill)
+        return (seq.num_tokens - num_cached_tokens, True) if req.target is not None else (0, False)
+
+    def after_allocate(self, seq: Sequence, num_external_tokens: int) -> None:
+        req: ActiveRequest | None = seq.kv_params
+        if req is None or req.state is not S.QUEUED:
+            return
+        if not req.admitted:
+            req.admitted = True
+            self.admission.leave()
+        req.block_ids, req.num_cached_tokens = seq.block_table.tolist(), seq.num_computed_tokens
+        if not num_external_tokens:
+            req.move(S.RUNNING)
+            req.backend, req.prefill_worker = LOCAL, ""
+            return
+        try:
+            self._start(req)
+        except Exception:  # noqa: BLE001 - this request only: it goes back to the queue and is tried elsewhere
+            log.exception("starting the prefill of %s failed", req.request_id)
+            if req.target.worker_id not in req.tried:
+                req.tried.append(req.target.worker_id)
+            self._failed_to_start.append(req.request_id)
+
+    def _start(self, req: ActiveRequest) -> None:
+        target, pool = req.target, self.pool
+        backend = choose_backend(Endpoint(target.host_id, target.device), pool.endpoint, self.forced)
+        timeout = self.prefills.timeout_for(len(req.tokens))
+        req.move(S.PREFILLING)
+        self.in_flight[req.request_id] = req
+        req.backend, req.lease_deadline = backend, time.monotonic() + timeout
+        held = req.block_ids[: req.num_cached_tokens // self.block_size]  # our cached prefix
+        req.leased = req.block_ids[len(held) :]  # what the prefill worker writes
+        # a worker that maps our pool may read ``held`` in place instead of computing it (we keep it allocated)
+        offered = held if self.offer_cached_prefix and backend.writes_in_place else []
+        dest = pb.KVDestination(worker_id=pool.worker_id, backend=backend, address=pool.address,
+                                fingerprint=pool.fingerprint, block_ids=req.leased, shm_path=pool.shm_path,
+                                num_blocks=pool.num_blocks, cuda_ipc_handle=pool.cuda_ipc_handle,
+                                cached_block_ids=offered)  # fmt: skip
+        self.prefills.start(req, target, dest, timeout)
+        req.future.add_done_callback(lambda _: self.wake())
+
+    def finished_loads(self) -> list[FinishedLoad]:
+        loads = [FinishedLoad(rid, None) for rid in self._failed_to_start]
+        for rid in loads:
+            self._back_to_queue(self.in_flight.pop(rid.seq_id, None), writer_done=True)
+        self._failed_to_start = []
+        now = time.monotonic()
+        for req in [r for r in self.in_flight.values() if r.future.done() or now >= r.lease_deadline]:
+            del self.in_flight[req.request_id]
+            reply, error, writer_done = self.prefills.outcome(req, self.kv_cache, len(req.leased))
+            if error is None:
+                self.prefills.delete_lease(req.request_id, req.prefill_worker)
+                req.prefill_ms, req.transfer_ms = reply.prefill_ms, reply.transfer_ms
+                req.move(S.RUNNING)
+                loads.append(FinishedLoad(req.request_id, reply.first_token_id))
+            else:
+                log.warning("prefill of %s on %s failed (%s); retrying", req.request_id, req.prefill_worker, error)
+                self._back_to_queue(req, writer_done)
+                loads.append(FinishedLoad(req.request_id, None))
+        return loads
+
+    def _back_to_queue(self, req: ActiveRequest | None, writer_done: bool) -> None:
+        if req is not None and req.state is S.PREFILLING:
+            self._release(req, writer_done)
+            req.move(S.QUEUED)
+
+    def request_finished(self, seq: Sequence) -> bool:
+        req: ActiveRequest | None = seq.kv_params
+        if req is not None and self.in_flight.pop(req.request_id, None) is not None:
+            req.future.cancel()  # the prefill worker drops the job and ends the lease
+            self._release(req, writer_done=False)
+        return False
+
+    def _release(self, req: ActiveRequest, writer_done: bool) -> None:
+        """Revoke ``req``'s lease; quarantine its blocks while its writer may still write (``shm``,
+        ``cuda_ipc``: a ``grpc`` writer writes only through PushKV, which a revoked lease stops at once).
+        What stays under the request's id the engine frees."""
+        writer = req.prefill_worker
+        with self.revoke_lock:
+            req.prefill_worker = ""  # revoke: ``lease_holder`` names no one
+        if writer_done or req.backend == Backend.GRPC:
+            self.prefills.delete_lease(req.request_id, writer)
+        else:
+            self.quarantine.hold(req.request_id, writer, req.prefill_address, req.lease_deadline)
+
+    def lease_holder(self, request_id: str) -> tuple[list[int], str]:
+        """(blocks, prefill worker) of a request whose prefill is in flight; ([], '') otherwise. For PushKV."""
+        req = self.in_flight.get(request_id)
+        return (req.leased, req.prefill_worker) if req is not None and req.prefill_worker else ([], "")

@@ -1,0 +1,80 @@
+"""The engine's one seam: where KV comes from or goes to outside this engine's own pool.
+
+The scheduler and the engine call a ``KVConnector`` at fixed points of a step, as vLLM v1 calls its
+KVConnector; the engine core (scheduler, block manager, runner) names no worker, lease or transport.
+Everything a connector needs to know about one request travels in ``Sequence.kv_params``, which the engine
+never reads: whoever adds the request gives it, and only the connector interprets it.
+
+Scheduler side, when a waiting sequence is considered for admission:
+
+1. ``num_external_tokens(seq, num_cached_tokens)``: how many tokens after its cached prefix can be loaded
+   from outside instead of computed, and whether they arrive later (``asynchronous``). Those tokens count
+   as computed and cost no token budget. Synchronous ones are loaded by ``start_loads`` before the step runs
+   (it must fill them before the model reads them). An asynchronous load takes the sequence to
+   ``WAITING_FOR_REMOTE_KV``: its blocks are allocated, so they count in every later admission, but it is
+   in no batch until the load finishes.
+2. ``after_allocate(seq, num_external_tokens)``: its blocks are allocated (``seq.block_table``); an
+   asynchronous load starts here.
+3. ``finished_loads()``, at the start of every step: the asynchronous loads that ended. A load that
+   succeeded brings the sequence's first sampled token (the loader ran the prompt); one that failed sends
+   the sequence back to the front of the waiting queue, to be admitted again (the connector may then load
+   it from elsewhere, or let it be computed here). Its blocks are freed first, except those the connector
+   took out of the block manager's hands (``BlockManager.rename``) because a writer may still reach them.
+4. ``request_finished(seq)``: the sequence ended (finished, aborted, or its save failed); True keeps its
+   blocks until the caller's ``LLMEngine.release`` (a KV reader still needs them).
+
+Runner side, around the model's step:
+
+5. ``start_loads(admitted)``: fill the synchronous external tokens of the sequences admitted this step.
+6. ``save(seqs, num_new_tokens)``: after the step, before its tokens count as computed: write out what must
+   leave this pool. Returns the sequences whose KV could not be saved (or loaded) in time: the step ends
+   them (finish reason ``"kv_transfer_expired"``) without caching its blocks.
+
+The base class is the offline engine's: nothing comes from or goes outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sequence import Sequence
+
+TRANSFER_EXPIRED = "kv_transfer_expired"  # the finish reason of a sequence whose save or load ran out of time
+
+
+@dataclass(frozen=True)
+class FinishedLoad:
+    """An asynchronous load that ended: ``first_token`` is the loader's sampled token, or None when it failed."""
+
+    seq_id: str
+    first_token: int | None
+
+
+class KVConnector:
+    """No KV from or to outside this engine (the offline engine's connector); subclasses override."""
+
+    # -- scheduler side ----------------------------------------------------------------------------------
+
+    def num_external_tokens(self, seq: Sequence, num_cached_tokens: int) -> tuple[int, bool]:
+        """(tokens after the first ``num_cached_tokens`` that can be loaded, whether asynchronously). At
+        least one token of a synchronous admission is left to compute (the step samples from it)."""
+        return 0, False
+
+    def after_allocate(self, seq: Sequence, num_external_tokens: int) -> None:
+        """``seq`` holds blocks for its tokens up to ``num_computed_tokens`` plus this step's chunk."""
+
+    def finished_loads(self) -> list[FinishedLoad]:
+        return []
+
+    def request_finished(self, seq: Sequence) -> bool:
+        """``seq`` ended; True keeps its blocks until ``LLMEngine.release``."""
+        return False
+
+    # -- runner side -------------------------------------------------------------------------------------
+
+    def start_loads(self, admitted: list[Sequence]) -> None:
+        """Fill the synchronous external tokens of ``admitted`` before the step reads them."""
+
+    def save(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[Sequence]:
+        """After the step computed ``num_new_tokens[i]`` tokens of ``seqs[i]``: the sequences it failed for."""
+        return []

@@ -1,0 +1,75 @@
+"""``kvserve up``: start a local cluster (Redis, prefill and decode workers, a router; see kvserve/cluster.py),
+then supervise it until Ctrl-C or SIGTERM.
+
+Every flag is also the environment variable KVSERVE_<FLAG> (the flag wins). The launcher passes the options
+it shares with its children on by walking their models (``rpc.settings.settings_argv``), not a list of flags:
+
+* every engine option given (flag or ``KVSERVE_*``) goes to every worker, but ``UP_SET_FIELDS``: each
+  worker's share of the GPU comes from ``--prefill/decode-gpu-memory-utilization``, and a worker names its
+  own shared-memory pool;
+* the router gets the model's options (``ModelSettings``) and the stream options (``StreamSettings``);
+* security: ``--insecure-internal`` every child, ``--tls-*`` the router only (``kvserve.cluster_tls``); the
+  token and the API key go through the environment, never a command line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from engine.config import EngineConfig
+from router.settings import ApiKeySettings, StreamSettings
+from rpc.options import DrainSettings, RegistrySettings, SecuritySettings, ThreadSettings
+from rpc.settings import fields_of, settings_argv
+
+UP_SET_FIELDS = ("gpu_memory_utilization", "shared_kv_name")
+
+
+class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings, ApiKeySettings, SecuritySettings,
+                 EngineConfig):  # fmt: skip
+    """cluster: what kvserve up starts (the options above go to its processes)"""
+
+    prefill: int = Field(1, ge=0, description="number of prefill workers")
+    decode: int = Field(1, ge=0, description="number of decode workers")
+    port: int = Field(50051, ge=1, le=65535, description="the router's port (workers use the next ports)")
+    http_port: int = Field(8000, ge=0, le=65535, description="the router's OpenAI-compatible HTTP API; 0: none")
+    redis_tcp: bool = Field(
+        False,
+        description="the embedded Redis (no --redis-url) also listens on a TCP port of 127.0.0.1 (still with its "
+        "password)",
+    )
+    log_dir: str | None = Field(None, description="one <name>.log per process; none: the launcher's stderr")
+    prefill_gpu_memory_utilization: float = Field(
+        0.35,
+        gt=0,
+        le=1,
+        description="fraction of the GPU's total memory the prefill workers use together (weights included; split "
+        "evenly; passed to each as its --gpu-memory-utilization)",
+    )
+    decode_gpu_memory_utilization: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="the same for the decode workers; both roles share the one GPU, so the two add up to at most 1",
+    )
+    internal_tls: bool = Field(
+        True,
+        description="internal gRPC over mutual TLS with certificates of a cluster CA made at each start (false: "
+        "the cluster token alone)",
+    )
+
+    def engine_argv(self) -> list[str]:
+        """The engine options given to ``kvserve up``, as every worker's flags."""
+        return settings_argv(self, fields_of(EngineConfig, UP_SET_FIELDS))
+
+    def router_argv(self) -> list[str]:
+        """The stream options given, as the router's flags (its model options come from ``engine_argv``)."""
+        return settings_argv(self, fields_of(StreamSettings))
+
+    def security_argv(self) -> list[str]:
+        """``--insecure-internal`` and ``--tls-*`` (absolute: ``kvserve.cluster_tls`` reads them too) as given."""
+        paths = {name: str(Path(path).absolute()) for name in ("tls_cert", "tls_key", "tls_ca")
+                 if (path := getattr(self, name))}  # fmt: skip
+        passed = fields_of(SecuritySettings, ("cluster_token_file", "cluster_certs"))  # environment; made by up
+        return settings_argv(self.model_copy(update=paths), passed)

@@ -1,0 +1,84 @@
+"""The router's options (``python -m router --help``): the shared groups (``rpc.options``), the model's
+(``engine.config.ModelSettings``) and its own. ``StreamSettings`` and ``ApiKeySettings`` are ``kvserve up``'s
+too, which passes them on to the router it starts."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from engine.config import ModelSettings
+from router.limits import DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES
+from router.routing import RoutingWeights
+from router.validation_queue import DEFAULT_MAX_BACKLOG
+from rpc.options import RegistrySettings, SecuritySettings, ServeSettings
+from rpc.settings import Settings
+
+
+class StreamSettings(Settings):
+    """streams"""
+
+    migrate_streams: bool = Field(
+        True, description="continue a stream on another decode worker when its own dies or drains mid-stream"
+    )
+    stream_idle_timeout: float = Field(
+        30.0,
+        ge=0,
+        description="seconds a streaming client may read nothing before its stream is cancelled (and its KV "
+        "blocks freed); 0: no limit",
+    )
+
+
+class ApiKeySettings(Settings):
+    """API key"""
+
+    api_key: str | None = Field(
+        None,
+        description="clients must send 'Authorization: Bearer <key>' (HTTP and gRPC); better set in the "
+        "environment variable, which ps does not show; none: no key",
+    )
+
+
+class RoutingSettings(Settings):
+    """cache-aware routing: see router/routing.py"""
+
+    route_block_weight: float = Field(
+        RoutingWeights.block_weight, ge=0, description="cost of one prompt block a worker would compute or receive"
+    )
+    route_load_weight: float = Field(
+        RoutingWeights.load_weight, ge=0, description="cost of one request a worker runs or queues"
+    )
+    route_balance_threshold: int = Field(
+        RoutingWeights.balance_threshold, ge=0, description="requests of imbalance past which load alone decides"
+    )
+
+
+class FrontDoorSettings(ApiKeySettings):
+    """front door: see router/limits.py"""
+
+    max_request_bytes: int = Field(
+        DEFAULT_MAX_REQUEST_BYTES, ge=1, description="largest HTTP body (413) and gRPC message (RESOURCE_EXHAUSTED)"
+    )
+    max_concurrent_requests: int = Field(
+        DEFAULT_MAX_CONCURRENT_REQUESTS,
+        ge=0,
+        description="generation requests in flight over both doors, past which new ones get 429 / "
+        "RESOURCE_EXHAUSTED; 0: no limit",
+    )
+    max_validation_backlog: int = Field(
+        DEFAULT_MAX_BACKLOG,
+        ge=1,
+        description="prompt characters that may wait for the validation thread, past which new requests get "
+        "RESOURCE_EXHAUSTED / 429 (see router/validation_queue.py)",
+    )
+
+
+class RouterSettings(ServeSettings, ModelSettings, RegistrySettings, SecuritySettings, StreamSettings,
+                     RoutingSettings, FrontDoorSettings):  # fmt: skip
+    """router: its public doors"""
+
+    port: int = Field(50051, ge=0, le=65535, description="the public gRPC port (kvserve.v1.Inference)")
+    http_port: int = Field(8000, ge=0, le=65535, description="the OpenAI-compatible HTTP API's port; 0: none")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="serve Prometheus /metrics on this port instead of the HTTP API's (0: there)"
+    )
+    decode_address: list[str] = Field([], description="a static decode worker, without Redis (repeat for more)")

@@ -1,0 +1,69 @@
+"""The option groups the three services share, each one settings model composed into the process models
+(``rpc.worker_options``, ``router.settings``, ``kvserve.settings``); ``rpc.settings`` makes their flags,
+``KVSERVE_*`` variables and ``--help``. No engine import here: ``kvserve.healthcheck`` reads
+``SecuritySettings`` every few seconds in a container and must start fast.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from rpc.settings import Settings, env_name
+
+
+class DrainSettings(Settings):
+    """stopping"""
+
+    drain_timeout: float = Field(30.0, ge=0, description="seconds SIGTERM lets running requests and streams finish")
+
+
+class ServeSettings(DrainSettings):
+    """serving: where this process listens"""
+
+    host: str = Field("127.0.0.1", description="the address to listen on")
+    port: int = Field(0, ge=0, le=65535, description="the gRPC port")
+
+
+class RegistrySettings(Settings):
+    """registry"""
+
+    redis_url: str | None = Field(
+        None,
+        description="the registry: redis://, rediss:// (TLS) or unix://, with user and password; pass a password "
+        "in the environment variable, since every local user can read a command line (kvserve up without one: "
+        "an embedded Redis only its cluster can use)",
+    )
+
+
+# The registry's URL, which may hold a password: a process's environment is private to its user, while its
+# command line is not (``ps``, /proc/PID/cmdline), so ``kvserve up`` hands it to its children here.
+REDIS_URL_ENV = env_name(RegistrySettings, "redis_url")
+
+
+class SecuritySettings(Settings):
+    """security: who may call whom (see rpc/auth.py)"""
+
+    cluster_token_file: str | None = Field(
+        None,
+        description="file holding the cluster token or this process's credential (else $KVSERVE_CLUSTER_TOKEN)",
+    )
+    cluster_certs: str | None = Field(
+        None,
+        description="this process's cluster certificate: DIR/cert.pem, key.pem (mode 600) and the cluster CA's "
+        "ca.pem (kvserve certs makes them); internal gRPC then runs over mutual TLS, authorized by role",
+    )
+    insecure_internal: bool = Field(False, description="serve internal RPCs without the cluster token (logs a warning)")
+    tls_cert: str | None = Field(
+        None,
+        description="PEM certificate of the router's public port (of this process's port, without --cluster-certs)",
+    )
+    tls_key: str | None = Field(None, description="PEM private key of --tls-cert")
+    tls_ca: str | None = Field(None, description="PEM CA: verify peers with it and require client certificates")
+
+
+class ThreadSettings(Settings):
+    """compute threads"""
+
+    threads: int | None = Field(
+        None, ge=1, description="torch threads per compute worker; none: this host's cores / its compute workers"
+    )

@@ -1,0 +1,18 @@
+"""The transports this build serves, by the backend name a ``KVDestination`` carries."""
+
+from __future__ import annotations
+
+from transfer.cuda_ipc import CudaIpcTransport
+from transfer.grpc_stream import GrpcTransport
+from transfer.shm import ShmTransport
+from transfer.transport import KVTransport, UnknownBackend
+
+TRANSPORTS: dict[str, type[KVTransport]] = {t.backend: t for t in (ShmTransport, CudaIpcTransport, GrpcTransport)}
+
+
+def transport_class(backend: str) -> type[KVTransport]:
+    """The transport a destination's ``backend`` names; ``UnknownBackend`` for one not served here."""
+    transport = TRANSPORTS.get(backend)
+    if transport is None:
+        raise UnknownBackend(f"transfer backend {backend!r} is not served here")
+    return transport
