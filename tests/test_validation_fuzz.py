@@ -3,9 +3,12 @@ is a served stream or INVALID_ARGUMENT with a message, never INTERNAL or UNKNOWN
 
 About two thirds of the generated requests are invalid and end at the router's validation; the valid ones
 ask for at most two tokens and run on the decode worker, so every rule's accepting side is exercised too.
+``make test`` sends 300 requests; ``KVSERVE_FUZZ_EXAMPLES=2000 pytest tests/test_validation_fuzz.py`` sends more.
 """
 
 from __future__ import annotations
+
+import os
 
 import grpc
 import pytest
@@ -85,7 +88,7 @@ def channel(model_dir):
 
 
 @pytest.mark.slow
-@settings(max_examples=1000, deadline=None, database=None,
+@settings(max_examples=int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "300")), deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
 @given(request=requests())
 def test_fuzzed_requests_are_served_or_refused_with_a_reason(channel, request):
