@@ -12,6 +12,7 @@ records in cluster_state/lease.py under the lease key), so none verifies as anot
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import time
 from collections.abc import Mapping
@@ -28,17 +29,31 @@ LOAD_FIELDS = ("free_blocks", "total_blocks", "num_running", "num_waiting")
 SIGNED_FIELDS = ("worker_id", "role", "address", "host_id", "device", "fingerprint", "block_size", "started_at")
 
 
-def local_host_id() -> str:
-    """``hostname:boot_id``: two workers with equal ids run on the same machine since its last boot.
+def local_host_id(pool_directory: Path | None = None) -> str:
+    """``<kernel>/shm-<major>:<minor>``: two workers with equal ids can map each other's shared-memory files,
+    so the same-host transports (shm, cuda_ipc) may join them; workers with different ids never try.
 
-    Containers on one machine share the boot id but usually not the hostname, so they count as different hosts
-    (they rarely share /dev/shm either).
+    * kernel: the boot id, one per running kernel (containers on one machine share it, machines and VMs do
+      not); the hostname where there is none (not Linux);
+    * shm device: ``st_dev`` of the filesystem the KV pool files live in (``pool_directory``, default
+      ``kvstore.shared_pool.pool_dir_path()``, or its nearest existing ancestor while it is not made yet).
+      One tmpfs seen from two mount namespaces (a bind mount, containers sharing IPC) has one device; a
+      container's own /dev/shm, or a test host's in tests/netns.py, is a filesystem of its own.
+
+    Network namespaces and hostnames play no part: processes that share /dev/shm share memory, whatever
+    network they see and whatever their hostnames say.
     """
+    if pool_directory is None:
+        from kvstore.shared_pool import pool_dir_path  # imports torch, which readers of worker records need not
+
+        pool_directory = pool_dir_path()
     try:
-        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        kernel = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
-        boot_id = "unknown-boot"
-    return f"{socket.gethostname()}:{boot_id}"
+        kernel = socket.gethostname()
+    existing = next(p for p in (pool_directory.absolute(), *pool_directory.absolute().parents) if p.exists())
+    device = existing.stat().st_dev
+    return f"{kernel}/shm-{os.major(device)}:{os.minor(device)}"
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,9 @@ class WorkerInfo:
     num_running: int = 0
     num_waiting: int = 0
     started_at: float = field(default_factory=time.time)
+    # KV transports offered beyond grpc, comma-separated wire names ("nixl"; transfer.backend.Backend). Signed
+    # with SIGNED_FIELDS when set (``_signed_parts``), so records written before it existed still verify.
+    transports: str = ""
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -73,7 +91,7 @@ class WorkerInfo:
 
     def to_redis(self, security: Security) -> dict[str, str]:
         fields = {f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self)}
-        fields["signature"] = security.sign("worker", *(fields[name] for name in SIGNED_FIELDS))
+        fields["signature"] = security.sign("worker", *_signed_parts(fields))
         return fields | self.load_to_redis(security)
 
     def load_to_redis(self, security: Security) -> dict[str, str]:
@@ -86,7 +104,7 @@ class WorkerInfo:
         """Inverse of ``to_redis`` for the signed fields, with ``load`` as its load (``verified_load`` of the
         hash, or what the reader assumes when that is None); raises ``KeyError`` or ``ValueError`` on a
         malformed or unverified hash."""
-        if not security.verify(fields.get("signature", ""), "worker", *(fields.get(n, "") for n in SIGNED_FIELDS)):
+        if not security.verify(fields.get("signature", ""), "worker", *_signed_parts(fields)):
             raise ValueError("its signature does not verify (written without the cluster token?)")
         return cls(
             worker_id=fields["worker_id"],
@@ -97,8 +115,16 @@ class WorkerInfo:
             fingerprint=fields["fingerprint"],
             block_size=int(fields["block_size"]),
             started_at=float(fields["started_at"]),
+            transports=fields.get("transports", ""),
             **{name: load[name] for name in LOAD_FIELDS},
         )
+
+
+def _signed_parts(fields: Mapping[str, str]) -> list[str]:
+    """What the record's signature covers: ``SIGNED_FIELDS``, then ``transports`` when set (a record without
+    it signs what it did before the field existed; one with it cannot lose it unnoticed)."""
+    parts = [fields.get(name, "") for name in SIGNED_FIELDS]
+    return parts + [f"transports={fields['transports']}"] if fields.get("transports") else parts
 
 
 def verified_load(fields: Mapping[str, str], security: Security) -> dict[str, int] | None:

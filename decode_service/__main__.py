@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     worker = DecodeWorker(engine, worker_id, settings.address, aio, security, registry,
                           shm_path=str(engine.runner.kv_pool_path or ""), max_waiting=settings.max_waiting,
                           prefill_timeout_s=settings.prefill_timeout_s,
-                          prefill_ms_per_token=settings.prefill_ms_per_token, force_backend=settings.transfer_backend,
+                          prefill_ms_per_token=settings.prefill_ms_per_token, kv_transport=settings.kv_transport,
                           prefill_reads_cached_prefix=settings.prefill_reads_cached_prefix)  # fmt: skip
     logging.info("decode worker %s serving on %s (KV pool: %s)", worker_id, worker.address,
                  engine.runner.kv_pool_path or "private")  # fmt: skip

@@ -10,10 +10,13 @@ whether its prompt is loaded from outside and does the loading:
   and call its ``Prefill`` (PREFILLING). A prefill worker that maps our pool may read the cached prefix
   blocks in place (``prefill_reads_cached_prefix``).
 * ``finished_loads``: a call that answered with a checksum matching our blocks makes the request run with
-  the prefill worker's first token (RUNNING). A failed, expired or mismatched one sends it back to the
-  waiting queue (QUEUED), to be tried on another prefill worker, then locally; blocks its writer may still
-  touch are first quarantined (``prefill_client.Quarantine``: renamed in the block manager, so the engine
-  frees only the rest).
+  the prefill worker's first token (RUNNING); over ``nixl`` only once that writer's NIXL notification for
+  the request has arrived too (the write is complete in our memory: ``transfer.nixl``). A failed, expired
+  or mismatched one sends it back to the waiting queue (QUEUED), to be tried on another prefill worker,
+  then locally; blocks its writer may still touch are first quarantined (``prefill_client.Quarantine``:
+  renamed in the block manager, so the engine frees only the rest). A ``nixl`` hand-off we chose (not
+  forced) that fails marks that prefill worker as unreachable over NIXL (logged once) and retries the
+  request there over ``grpc``.
 * ``request_finished``: a request that ends while its prefill is in flight cancels the call and
   quarantines its blocks the same way.
 """
@@ -33,6 +36,7 @@ from engine.sequence import Sequence
 from kvstore.kv_cache import KVCache
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from transfer.backend import LOCAL, Backend, Endpoint, choose_backend
+from transfer.nixl import NixlOffer
 
 log = logging.getLogger(__name__)
 S = RequestState
@@ -54,13 +58,17 @@ class PoolOffer:
 class RemotePrefillConnector(KVConnector):
     def __init__(self, pool: PoolOffer, kv_cache: KVCache, block_size: int, prefills: PrefillClient,
                  quarantine: Quarantine, admission: Admission, wake: Callable[[], None], revoke_lock: threading.Lock,
-                 forced: Backend | None = None, offer_cached_prefix: bool = True) -> None:  # fmt: skip
+                 forced: Backend | None = None, offer_cached_prefix: bool = True,
+                 nixl: NixlOffer | None = None) -> None:  # fmt: skip
         self.pool, self.kv_cache, self.block_size = pool, kv_cache, block_size
         self.prefills, self.quarantine, self.admission, self.wake = prefills, quarantine, admission, wake
         self.forced, self.offer_cached_prefix = forced, offer_cached_prefix
         self.in_flight: dict[str, ActiveRequest] = {}  # PREFILLING requests by id
         self.revoke_lock = revoke_lock  # PushKV holds it while it writes under a lease (``lease_holder``)
         self._failed_to_start: list[str] = []
+        self.nixl = nixl  # our pool as NIXL peers reach it; None: NIXL is not installed here
+        self.no_nixl: set[str] = set()  # prefill workers a nixl hand-off to failed: grpc from then on
+        self._notified: set[tuple[str, str]] = set()  # (request id, writer) whose NIXL write completed
 
     # -- scheduler side ----------------------------------------------------------------------------------
 
@@ -93,7 +101,13 @@ class RemotePrefillConnector(KVConnector):
 
     def _start(self, req: ActiveRequest) -> None:
         target, pool = req.target, self.pool
-        backend = choose_backend(Endpoint(target.host_id, target.device), pool.endpoint, self.forced)
+        offered = frozenset(target.transports.split(",")) - {"", *([Backend.NIXL] if target.worker_id in self.no_nixl
+                                                                    else [])}  # fmt: skip
+        backend = choose_backend(Endpoint(target.host_id, target.device, transports=offered), pool.endpoint,
+                                 self.forced)  # fmt: skip
+        nixl = self.nixl.ready() if backend == Backend.NIXL and self.nixl is not None else None
+        if backend == Backend.NIXL and nixl is None and self.forced is None:
+            backend = Backend.GRPC  # our agent is still starting
         timeout = self.prefills.timeout_for(len(req.tokens))
         req.move(S.PREFILLING)
         self.in_flight[req.request_id] = req
@@ -101,11 +115,12 @@ class RemotePrefillConnector(KVConnector):
         held = req.block_ids[: req.num_cached_tokens // self.block_size]  # our cached prefix
         req.leased = req.block_ids[len(held) :]  # what the prefill worker writes
         # a worker that maps our pool may read ``held`` in place instead of computing it (we keep it allocated)
-        offered = held if self.offer_cached_prefix and backend.writes_in_place else []
+        offered = held if self.offer_cached_prefix and backend.maps_pool else []
         dest = pb.KVDestination(worker_id=pool.worker_id, backend=backend, address=pool.address,
                                 fingerprint=pool.fingerprint, block_ids=req.leased, shm_path=pool.shm_path,
                                 num_blocks=pool.num_blocks, cuda_ipc_handle=pool.cuda_ipc_handle,
-                                cached_block_ids=offered)  # fmt: skip
+                                cached_block_ids=offered, nixl_metadata=nixl.metadata if nixl else b"",
+                                nixl_pool=nixl.pool if nixl else "")  # fmt: skip
         self.prefills.start(req, target, dest, timeout)
         req.future.add_done_callback(lambda _: self.wake())
 
@@ -114,10 +129,13 @@ class RemotePrefillConnector(KVConnector):
         for rid in loads:
             self._back_to_queue(self.in_flight.pop(rid.seq_id, None), writer_done=True)
         self._failed_to_start = []
-        now = time.monotonic()
-        for req in [r for r in self.in_flight.values() if r.future.done() or now >= r.lease_deadline]:
+        now, notified = time.monotonic(), self._nixl_notifications()
+        for req in [r for r in self.in_flight.values() if self._settled(r, now, notified)]:
             del self.in_flight[req.request_id]
             reply, error, writer_done = self.prefills.outcome(req, self.kv_cache, len(req.leased))
+            if error is None and req.backend == Backend.NIXL and (req.request_id, req.prefill_worker) not in notified:
+                error, writer_done = "the NIXL write's notification did not arrive before the lease ran out", False
+            notified.discard((req.request_id, req.prefill_worker))
             if error is None:
                 self.prefills.delete_lease(req.request_id, req.prefill_worker)
                 req.prefill_ms, req.transfer_ms = reply.prefill_ms, reply.transfer_ms
@@ -125,9 +143,37 @@ class RemotePrefillConnector(KVConnector):
                 loads.append(FinishedLoad(req.request_id, reply.first_token_id))
             else:
                 log.warning("prefill of %s on %s failed (%s); retrying", req.request_id, req.prefill_worker, error)
+                self._nixl_failed(req)
                 self._back_to_queue(req, writer_done)
                 loads.append(FinishedLoad(req.request_id, None))
         return loads
+
+    def _nixl_notifications(self) -> set[tuple[str, str]]:
+        """(request id, writer) of the NIXL writes completed so far for requests in flight."""
+        pool = self.nixl.ready() if self.nixl is not None and any(
+            r.backend == Backend.NIXL for r in self.in_flight.values()) else None  # fmt: skip
+        for writer, rid in pool.arrived() if pool is not None else ():
+            if rid in self.in_flight:  # a late one, for a request given up on, is dropped
+                self._notified.add((rid, writer))
+        return self._notified
+
+    def _settled(self, req: ActiveRequest, now: float, notified: set[tuple[str, str]]) -> bool:
+        """Whether ``req``'s load is over: its call ended (a successful ``nixl`` one once the notification
+        arrived too), or its lease ran out."""
+        if now >= req.lease_deadline or not req.future.done():
+            return now >= req.lease_deadline
+        ok = not req.future.cancelled() and req.future.exception() is None
+        return not (ok and req.backend == Backend.NIXL) or (req.request_id, req.prefill_worker) in notified
+
+    def _nixl_failed(self, req: ActiveRequest) -> None:
+        """A ``nixl`` hand-off we chose failed: that prefill worker gets ``grpc`` from now on, this request
+        included (it may be tried there again)."""
+        if req.backend != Backend.NIXL or self.forced is not None or req.prefill_worker in self.no_nixl:
+            return
+        self.no_nixl.add(req.prefill_worker)
+        log.warning("KV hand-offs to %s fall back to grpc: a nixl hand-off failed", req.prefill_worker)
+        if req.prefill_worker in req.tried:
+            req.tried.remove(req.prefill_worker)
 
     def _back_to_queue(self, req: ActiveRequest | None, writer_done: bool) -> None:
         if req is not None and req.state is S.PREFILLING:
@@ -148,6 +194,7 @@ class RemotePrefillConnector(KVConnector):
         writer = req.prefill_worker
         with self.revoke_lock:
             req.prefill_worker = ""  # revoke: ``lease_holder`` names no one
+        self._notified.discard((req.request_id, writer))
         if writer_done or req.backend == Backend.GRPC:
             self.prefills.delete_lease(req.request_id, writer)
         else:

@@ -17,7 +17,11 @@ class DecodeSettings(WorkerSettings):
     max_waiting: int = Field(64, ge=0, description="requests queued for KV blocks before RESOURCE_EXHAUSTED")
     prefill_timeout_s: float = Field(30.0, gt=0, description="a prefill's base deadline")
     prefill_ms_per_token: float = Field(20.0, ge=0, description="added to it per prompt token")
-    transfer_backend: Literal["shm", "grpc"] | None = Field(None, description="force one KV transfer backend")
+    kv_transport: Literal["shm", "cuda_ipc", "nixl", "grpc"] | None = Field(
+        None,
+        description="force one KV transport for every hand-off (default: shm or cuda_ipc on one host, else nixl "
+        "when both workers offer it, else grpc); nixl starts this worker's NIXL agent at start-up",
+    )
     no_shm: bool = Field(False, description="keep the KV pool in private memory")
     prefill_reads_cached_prefix: bool = Field(
         True,

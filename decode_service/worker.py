@@ -42,6 +42,7 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc.auth import Security
 from rpc.loop import AsyncioThread, Loop
+from transfer import nixl
 from transfer.backend import Backend, Endpoint
 from transfer.cuda_ipc import export_cuda_ipc
 from transfer.grpc_stream import KVReceiver
@@ -54,11 +55,17 @@ class DecodeWorker(pb_grpc.DecodeServicer):
     def __init__(self, engine: LLMEngine, worker_id: str, address: str, aio: AsyncioThread, security: Security,
                  registry: Registry | None = None, shm_path: str = "", max_waiting: int = 64,
                  prefill_timeout_s: float = 30.0, prefill_ms_per_token: float = 20.0,
-                 force_backend: str | None = None, prefill_reads_cached_prefix: bool = True) -> None:  # fmt: skip
+                 kv_transport: str | None = None, prefill_reads_cached_prefix: bool = True) -> None:  # fmt: skip
         self.engine, self.worker_id, self.address, self.security = engine, worker_id, address, security
         runner = engine.runner
         self.fingerprint = fingerprint(engine.model_config.architecture, runner.kv_spec)
-        self.endpoint = Endpoint(local_host_id(), str(runner.device), bool(shm_path))
+        # NIXL: offered when installed; our agent starts on first need, or now when every hand-off uses it
+        if kv_transport == Backend.NIXL and not nixl.installed():
+            raise RuntimeError("--kv-transport nixl needs NIXL: pip install 'kvserve[nixl]'")
+        eager = kv_transport == Backend.NIXL
+        self.nixl = nixl.NixlOffer(runner.kv_cache, worker_id, eager) if nixl.installed() else None
+        self.endpoint = Endpoint(local_host_id(), str(runner.device), bool(shm_path),
+                                 frozenset([Backend.NIXL] if self.nixl else []))  # fmt: skip
         pool = PoolOffer(worker_id, address, self.fingerprint, self.endpoint, runner.num_blocks, shm_path,
                          export_cuda_ipc(runner.kv_cache) if runner.device.type == "cuda" else b"")  # fmt: skip
         self.prefills = PrefillClient(aio, security, worker_id, self.fingerprint, registry, prefill_timeout_s,
@@ -70,7 +77,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         self.connector = RemotePrefillConnector(
             pool, runner.kv_cache, engine.config.block_size, self.prefills, self.quarantine, self.admission,
             lambda: self._inbox.put(("wake", None)), self.receiver.lock,
-            Backend(force_backend) if force_backend else None, prefill_reads_cached_prefix)  # fmt: skip
+            Backend(kv_transport) if kv_transport else None, prefill_reads_cached_prefix, self.nixl)  # fmt: skip
         engine.connect(self.connector)
         self._active: dict[str, ActiveRequest] = {}
         self._drain_deadline: float | None = None  # set by drain(): no admissions from then on
@@ -80,7 +87,8 @@ class DecodeWorker(pb_grpc.DecodeServicer):
     def info(self) -> WorkerInfo:
         return WorkerInfo(worker_id=self.worker_id, role="decode", address=self.address,
                           host_id=self.endpoint.host_id, device=self.endpoint.device, fingerprint=self.fingerprint,
-                          block_size=self.engine.config.block_size, **self.load())  # fmt: skip
+                          block_size=self.engine.config.block_size,
+                          transports=",".join(sorted(self.endpoint.transports)), **self.load())  # fmt: skip
 
     def load(self) -> dict[str, int]:
         bm = self.engine.block_manager

@@ -78,7 +78,7 @@ def _up(up: UpSettings) -> None:
         signal.signal(sig, interrupt)
     try:
         cluster = start_cluster(num_prefill=up.prefill, num_decode=up.decode, port=up.port, http_port=up.http_port,
-                                redis_url=up.redis_url, engine_argv=up.engine_argv(),
+                                redis_url=up.redis_url, engine_argv=up.engine_argv(), decode_argv=up.decode_argv(),
                                 prefill_gpu_memory_utilization=up.prefill_gpu_memory_utilization,
                                 decode_gpu_memory_utilization=up.decode_gpu_memory_utilization, security=security,
                                 security_argv=up.security_argv(), threads=up.threads,

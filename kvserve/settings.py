@@ -8,6 +8,7 @@ it shares with its children on by walking their models (``rpc.settings.settings_
   worker's share of the GPU comes from ``--prefill/decode-gpu-memory-utilization``, and a worker names its
   own shared-memory pool;
 * the router gets the model's options (``ModelSettings``) and the stream options (``StreamSettings``);
+* the decode workers get ``--kv-transport``;
 * security: ``--insecure-internal`` every child, ``--tls-*`` the router only (``kvserve.cluster_tls``); the
   token and the API key go through the environment, never a command line.
 """
@@ -15,6 +16,7 @@ it shares with its children on by walking their models (``rpc.settings.settings_
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -58,6 +60,16 @@ class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings
         description="internal gRPC over mutual TLS with certificates of a cluster CA made at each start (false: "
         "the cluster token alone)",
     )
+
+    kv_transport: Literal["shm", "cuda_ipc", "nixl", "grpc"] | None = Field(
+        None,
+        description="force one KV transport for every hand-off, passed to each decode worker (default: shm or "
+        "cuda_ipc on one host, else nixl when both workers offer it, else grpc)",
+    )
+
+    def decode_argv(self) -> list[str]:
+        """The decode workers' own flags given to ``kvserve up``: ``--kv-transport``."""
+        return ["--kv-transport", self.kv_transport] if self.kv_transport else []
 
     def engine_argv(self) -> list[str]:
         """The engine options given to ``kvserve up``, as every worker's flags."""

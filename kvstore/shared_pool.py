@@ -24,14 +24,20 @@ SHM_DIR_ENV = "KVSERVE_SHM_DIR"  # the cluster's directory of pool files; ``kvse
 log = logging.getLogger(__name__)
 
 
-def pool_dir() -> Path:
-    """This process's directory of shared-memory pool files: ``$KVSERVE_SHM_DIR``, else ``kvserve-<uid>`` under
-    /dev/shm (or $TMPDIR where there is no /dev/shm). A prefill worker maps only pool files inside its own
-    ``pool_dir()``: the cluster's directory. It is created mode 0700, and one that another user made first
-    (or a link) is refused with ``RuntimeError`` (``kvstore.private_dir``)."""
+def pool_dir_path() -> Path:
+    """Where ``pool_dir`` is, made or not: ``$KVSERVE_SHM_DIR``, else ``kvserve-<uid>`` under /dev/shm (or
+    $TMPDIR where there is no /dev/shm). Its filesystem is part of this host's identity
+    (``cluster_state.workers.local_host_id``)."""
     configured = os.environ.get(SHM_DIR_ENV)
     root = SHM_ROOT if SHM_ROOT.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-    directory = Path(configured) if configured else root / f"kvserve-{os.getuid()}"
+    return Path(configured) if configured else root / f"kvserve-{os.getuid()}"
+
+
+def pool_dir() -> Path:
+    """This process's directory of shared-memory pool files (``pool_dir_path``). A prefill worker maps only
+    pool files inside its own ``pool_dir()``: the cluster's directory. It is created mode 0700, and one that
+    another user made first (or a link) is refused with ``RuntimeError`` (``kvstore.private_dir``)."""
+    directory = pool_dir_path()
     directory.parent.mkdir(parents=True, exist_ok=True)
     return private_dir(directory)
 

@@ -56,6 +56,7 @@ from rpc.auth import Security
 from rpc.identity import peer_identity
 from rpc.loop import Loop
 from rpc.validation import validate_sampling
+from transfer import nixl
 from transfer.backend import Backend
 from transfer.transport import TransferFailed, UnknownBackend
 
@@ -171,7 +172,8 @@ class PrefillWorker(pb_grpc.PrefillServicer):
     def info(self) -> WorkerInfo:
         return WorkerInfo(worker_id=self.worker_id, role="prefill", address=self.address, host_id=local_host_id(),
                           device=str(self.engine.runner.device), fingerprint=self.fingerprint,
-                          block_size=self.engine.config.block_size, **self.load())  # fmt: skip
+                          block_size=self.engine.config.block_size, transports=Backend.NIXL if nixl.installed() else "",
+                          **self.load())  # fmt: skip
 
     def drain(self, timeout_s: float) -> None:
         """Refuse new prefills; the batcher stops once the queued ones are done or ``timeout_s`` passes."""
@@ -255,7 +257,8 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                         self._stop(out.request_id, job)
                         continue
                     table = engine.block_manager.block_table(out.request_id)[job.dest_cached_tokens // bs :]
-                    taken = job.transport.take(engine.runner.kv_cache, table)  # before our blocks are released
+                    leased = list(job.destination.block_ids)[: len(table)]  # before our blocks are released:
+                    taken = job.transport.take(engine.runner.kv_cache, table, job.request_id, leased, job.write_until)
                     engine.release(out.request_id)
                     self._end_writes(job, "success")
                     metrics.count_prefill_tokens(len(job.prompt), out.num_cached_tokens, out.num_external_tokens)

@@ -6,7 +6,7 @@
 # takes at most 9 minutes; the machine's start comes on top); its output is also written to $OUT/<step>.txt.
 #   kernels-bench  55  decode tile-config sweep (bf16, int8_v, int8 at batch 64, ctx 8192, 32:8, d128; bf16
 #                      d128 ctx 2048 and d64): INT8 vs bf16, and _MEASURED_CONFIGS entries for this GPU
-#   gpu-tests     170  every test marked gpu under tests/ (kernels in bf16 at large shapes, graphs vs eager,
+#   gpu-tests     165  every test marked gpu under tests/ (kernels in bf16 at large shapes, graphs vs eager,
 #                      the engine vs transformers, launches per layer, cuda_ipc, a 1P+1D cluster on the GPU)
 #   cuda-ipc       20  kvserve bench cuda_ipc: a 2,048-token Qwen2-0.5B KV into another process's pool
 #   random-model   25  a random Qwen2-0.5B (24 layers, bf16) in /tmp/qwen2-0.5b
@@ -14,8 +14,10 @@
 #                      and CUDA graphs), then batches of 1, 64, 256 prompts of 128 tokens, 256 new tokens
 #                      each: the engine against transformers' static cache + torch.compile (which
 #                      compiles per batch size, so batch 256 runs the engine alone, as in issue 8's table)
-#   nano-vllm      40  nano-vllm's workload (256 requests, 100-1,024 tokens in and out), the engine alone
-#   cluster        85  kvserve bench serve --device cuda: TTFT/TPOT of a 1P+1D cluster on this GPU against the
+#   nixl           25  kvserve bench transfer: a 2,048-token KV of that model, VRAM to VRAM between two NIXL
+#                      agents (UCX: cuda_ipc or NVLink on one GPU), and over the grpc transport
+#   nano-vllm      35  nano-vllm's workload (256 requests, 100-1,024 tokens in and out), the engine alone
+#   cluster        70  kvserve bench serve --device cuda: TTFT/TPOT of a 1P+1D cluster on this GPU against the
 #                      offline engine, and the KV hand-off of a 2,048-token prompt
 # GPU_CHECK_SMOKE=1 (tests/test_gpu_check_script.py, on a CPU) runs the same command lines with tiny sizes
 # on the model directory GPU_CHECK_MODEL, with $PYTHON and no wheels; a step marked --smoke-parse (it needs
@@ -28,11 +30,12 @@ py=${PYTHON:-python3}
 if [ "$smoke" = 1 ]; then
     model=${GPU_CHECK_MODEL:?GPU_CHECK_SMOKE=1 needs GPU_CHECK_MODEL, a small model directory}
     batch_sizes=1,2 prompt_len=8 max_tokens=4 profile_batch=2 profile_steps=2 nano_requests=3 nano_lengths=4,8
+    device=cpu transfer_tokens=64
     export PYTHONPATH=. PYTHONUNBUFFERED=1
 else
     model=/tmp/qwen2-0.5b
     batch_sizes=1,64,256 prompt_len=128 max_tokens=256 profile_batch=64 profile_steps=10 nano_requests=256
-    nano_lengths=100,1024
+    nano_lengths=100,1024 device=cuda transfer_tokens=2048
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || { echo "carry .whl (bash scripts/gpu_wheels.sh)"; exit 1; }
     export PYTHONPATH=".:/tmp/site" PYTHONUNBUFFERED=1
@@ -72,12 +75,13 @@ step() {  # step NAME SECONDS [--smoke-parse] -m MODULE ARGS...
   "$py" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
 } 2>&1 | tee "$out/machine.txt"
 step kernels-bench 55 -m kernels.bench --sweep-only
-step gpu-tests 170 -m pytest -q -s -rs -m gpu -p no:cacheprovider tests
+step gpu-tests 165 -m pytest -q -s -rs -m gpu -p no:cacheprovider tests
 step cuda-ipc 20 -m kvserve.bench.cuda_ipc
 step random-model 25 --smoke-parse -m kvserve.cli model random --like qwen2-0.5b --out "$model" --dtype bfloat16
 step offline 125 -m kvserve.bench.offline --model "$model" --baseline hf-static --batch-sizes "$batch_sizes" \
     --baseline-max-batch 64 --prompt-len "$prompt_len" --max-tokens "$max_tokens" --profile \
     --profile-batch "$profile_batch" --profile-steps "$profile_steps"
-step nano-vllm 40 -m kvserve.bench.offline --model "$model" --baseline none --workload nano-vllm \
+step nixl 25 -m kvserve.bench.transfer --device "$device" --model "$model" --tokens "$transfer_tokens" --repeats 3
+step nano-vllm 35 -m kvserve.bench.offline --model "$model" --baseline none --workload nano-vllm \
     --nano-requests "$nano_requests" --nano-lengths "$nano_lengths"
-step cluster 85 --smoke-parse -m kvserve.bench.serve --device cuda --model "$model"
+step cluster 70 --smoke-parse -m kvserve.bench.serve --device cuda --model "$model"

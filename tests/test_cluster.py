@@ -133,7 +133,7 @@ def test_generate_command_streams_to_the_terminal(one_by_one):
 
 
 def test_2p2d_over_grpc_transfer(tmp_path, engine_prompts, hf_greedy):
-    c = cluster(2, 2, tmp_path, decode_argv=["--transfer-backend", "grpc"])
+    c = cluster(2, 2, tmp_path, decode_argv=["--kv-transport", "grpc"])
     try:
         with Client(c.endpoint, timeout_s=300) as client:
             with ThreadPoolExecutor(8) as pool:

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from test_bench_offline import write_tiny_model
 
+from transfer import nixl
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 WHEELS = ROOT / ".whl"
@@ -30,7 +32,8 @@ def test_script_is_valid_bash():
 
 def test_step_limits_fit_one_device_call():
     names = [name for name, _ in STEPS]
-    assert names == ["kernels-bench", "gpu-tests", "cuda-ipc", "random-model", "offline", "nano-vllm", "cluster"]
+    assert names == ["kernels-bench", "gpu-tests", "cuda-ipc", "random-model", "offline", "nixl", "nano-vllm",
+                     "cluster"]
     assert sum(int(seconds) for _, seconds in STEPS) <= DEVICE_STEPS_BUDGET_S
 
 
@@ -46,6 +49,8 @@ def test_smoke_run_starts_every_step_and_each_exits_0(tmp_path):
     for line in ("launches per layer (eager)", "GPU busy (eager)", "GPU busy (graphs)", "engine/hf-static"):
         assert line in offline
     assert "nano-vllm workload: 3 requests" in (out / "nano-vllm.txt").read_text()
+    transfer = (out / "nixl.txt").read_text()
+    assert "grpc" in transfer and ("nixl is" in transfer or not nixl.installed())  # NIXL's GB/s against grpc's
     for parsed_only in ("random-model", "cluster"):  # they need CUDA or minutes of a CPU
         assert "command line accepted:" in (out / f"{parsed_only}.txt").read_text()
 

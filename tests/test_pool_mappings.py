@@ -59,7 +59,7 @@ def _prefill_into_the_pool(endpoint: str, index: int) -> None:
             time.sleep(0.1 if backends[-1] != Backend.SHM else 0)
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # ~25 s: pytest -m soak tests/test_pool_mappings.py (the unit tests below run in make test)
 def test_a_prefill_worker_maps_only_the_live_pool_after_three_decode_restarts(tmp_path):
     c = cluster(1, 1, tmp_path)
     with supervised(c, POLICY):

@@ -50,7 +50,8 @@ class GrpcTransport(KVTransport):
     def open(cls, dest: pb.KVDestination, origin: Origin) -> GrpcTransport:
         return cls(dest.worker_id, dest.address, origin)
 
-    def take(self, source: KVCache, block_ids: list[int]) -> list[bytes]:
+    def take(self, source: KVCache, block_ids: list[int], request_id: str = "", dst_blocks: list[int] = (),
+             deadline: float | None = None) -> list[bytes]:  # fmt: skip
         """The blocks' bytes, one ``bytes`` per chunk of ``chunked(block_ids)``."""
         return [read_blocks(source, part) for part in chunked(block_ids)]
 

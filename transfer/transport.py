@@ -7,7 +7,8 @@ transport):
    blocks into the transport's ``pool`` when it has one: the decode worker's own memory, mapped here
    (``shm``, ``cuda_ipc``);
 2. once the prompt is done, before the engine releases our own blocks, ``take`` gets from them what the
-   transport still has to move (``grpc``: their bytes; nothing when the pool was written in place);
+   transport still has to move (``grpc``: their bytes; nothing when the pool was written in place) or moves
+   them itself (``nixl``: one write into the leased blocks, waited for: the writer's lease then ends);
 3. ``finish`` (a coroutine on the gRPC event loop) completes the hand-off and returns the checksum of the
    destination blocks (``transfer.blocks.checksum_blocks``), which the decode worker compares with its own.
 
@@ -66,8 +67,10 @@ class KVTransport(ABC):
     def open(cls, dest: pb.KVDestination, origin: Origin) -> KVTransport:
         """Reach ``dest``'s pool; ``OSError``, ``RuntimeError`` or ``ValueError`` when it cannot be opened."""
 
-    def take(self, source: KVCache, block_ids: list[int]) -> object:
-        """What ``finish`` needs from ``block_ids`` of our own pool, taken before the engine releases them."""
+    def take(self, source: KVCache, block_ids: list[int], request_id: str = "", dst_blocks: list[int] = (),
+             deadline: float | None = None) -> object:  # fmt: skip
+        """What ``finish`` needs from ``block_ids`` of our own pool, taken before the engine releases them
+        (``nixl`` writes them into ``dst_blocks`` here, for ``request_id``, until ``deadline``)."""
         return None
 
     @abstractmethod

@@ -3,7 +3,7 @@
 * ``offline``: the engine's ``LLM.generate`` against transformers' batched ``generate`` (dynamic or static
   cache: ``hf_baseline``), nano-vllm's workload, and a profile of decode steps (``profile``);
 * ``serve``: TTFT and TPOT through a local 1P+1D cluster against the offline engine, one request at a time;
-* ``transfer``: the KV hand-off's cost, ``shm`` against ``grpc``;
+* ``transfer``: the KV hand-off's cost over ``shm``, ``grpc`` and ``nixl``;
 * ``cuda_ipc``: the KV hand-off between two processes on a GPU;
 * ``kv-curve``: decode tokens/s and KV memory against sequence length, with the KV cache against none;
 * ``load``: an open-loop load test of a running cluster through its public API (``kvserve.bench.loadgen``

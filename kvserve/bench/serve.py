@@ -1,7 +1,7 @@
 """Disaggregation overhead: TTFT and TPOT through a local 1P+1D cluster vs the offline engine, same prompts.
 
     kvserve bench serve [--device cpu|cuda] [--model default|DIR] [--num-prompts 8] [--prompt-len 256]
-                        [--max-tokens 32] [--handoff-tokens 2048] [--backend auto|shm|grpc]
+                        [--max-tokens 32] [--handoff-tokens 2048] [--backend auto|shm|grpc|nixl]
 
 Requests go one at a time, so the figures are latencies, not throughput. The offline engine runs in
 this process; the cluster's workers run as separate processes on the same device (on a GPU each of the
@@ -84,7 +84,7 @@ def _run(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[Sampl
     if args.device == "cpu":
         engine_argv += ["--num-blocks", "512"]
     cluster = start_cluster(port=free_base_port(2), engine_argv=engine_argv,
-                            decode_argv=[] if args.backend == "auto" else ["--transfer-backend", args.backend],
+                            decode_argv=[] if args.backend == "auto" else ["--kv-transport", args.backend],
                             prefill_gpu_memory_utilization=args.prefill_gpu_share,
                             decode_gpu_memory_utilization=args.decode_gpu_share)  # fmt: skip
     offline, served = [], []
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--handoff-tokens", type=int, default=2048, help="prompt length of the hand-off figures")
     parser.add_argument("--handoff-prompts", type=int, default=3, help="prompts of that length (median)")
-    parser.add_argument("--backend", choices=["auto", "shm", "grpc"], default="auto",
+    parser.add_argument("--backend", choices=["auto", "shm", "grpc", "nixl"], default="auto",
                         help="KV hand-off; auto: shm on a CPU, cuda_ipc on a GPU")  # fmt: skip
     gpu = parser.add_argument_group("GPU memory: fractions of the GPU's total memory, the three processes share it")
     gpu.add_argument("--prefill-gpu-share", type=float, default=0.3, help="the prefill worker's")
