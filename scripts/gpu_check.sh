@@ -81,7 +81,7 @@ step random-model 25 --smoke-parse -m kvserve.cli model random --like qwen2-0.5b
 step offline 125 -m kvserve.bench.offline --model "$model" --baseline hf-static --batch-sizes "$batch_sizes" \
     --baseline-max-batch 64 --prompt-len "$prompt_len" --max-tokens "$max_tokens" --profile \
     --profile-batch "$profile_batch" --profile-steps "$profile_steps"
-step nixl 25 -m kvserve.bench.transfer --device "$device" --model "$model" --tokens "$transfer_tokens" --repeats 3
+step nixl 25 --smoke-parse -m kvserve.bench.transfer --device "$device" --model "$model" --tokens "$transfer_tokens" --repeats 3
 step nano-vllm 35 -m kvserve.bench.offline --model "$model" --baseline none --workload nano-vllm \
     --nano-requests "$nano_requests" --nano-lengths "$nano_lengths"
 step cluster 70 --smoke-parse -m kvserve.bench.serve --device cuda --model "$model"

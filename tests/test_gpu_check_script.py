@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 from test_bench_offline import write_tiny_model
 
-from transfer import nixl
-
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 WHEELS = ROOT / ".whl"
@@ -49,9 +47,8 @@ def test_smoke_run_starts_every_step_and_each_exits_0(tmp_path):
     for line in ("launches per layer (eager)", "GPU busy (eager)", "GPU busy (graphs)", "engine/hf-static"):
         assert line in offline
     assert "nano-vllm workload: 3 requests" in (out / "nano-vllm.txt").read_text()
-    transfer = (out / "nixl.txt").read_text()
-    assert "grpc" in transfer and ("nixl is" in transfer or not nixl.installed())  # NIXL's GB/s against grpc's
-    for parsed_only in ("random-model", "cluster"):  # they need CUDA or minutes of a CPU
+    # nixl: two NIXL agents cost ~20 s of a CPU (tests/test_transfer_nixl.py moves KV through them)
+    for parsed_only in ("random-model", "nixl", "cluster"):  # they need CUDA or minutes of a CPU
         assert "command line accepted:" in (out / f"{parsed_only}.txt").read_text()
 
 
