@@ -135,18 +135,26 @@ class PrefillClient:
         metrics.TRANSFER_BYTES.labels(req.backend).inc(len(written) * kv_cache.spec.bytes_per_block())
         return reply, None, True
 
-    async def _call(self, target: WorkerInfo, request: pb.PrefillRequest, timeout_s: float) -> pb.PrefillResponse:
+    def _channel(self, target: WorkerInfo) -> grpc.aio.Channel:
         # with cluster certificates, TLS lets the prompt go only to a server whose certificate names ``target``
         key = (target.address, target.worker_id)
         if key not in self._channels:
             self._channels[key] = self.security.aio_channel(target.address, Identity("prefill", target.worker_id))
-        stub = pb_grpc.PrefillStub(self._channels[key])
+        return self._channels[key]
+
+    async def _call(self, target: WorkerInfo, request: pb.PrefillRequest, timeout_s: float) -> pb.PrefillResponse:
+        stub = pb_grpc.PrefillStub(self._channel(target))
         return await stub.Prefill(request, timeout=timeout_s, metadata=self.security.metadata(self.worker_id))
 
     async def _refresh_forever(self) -> None:
         while True:
             try:
                 self.workers = await asyncio.to_thread(self.registry.workers, "prefill")
+                # connect to each new prefill worker now, not on its first request: that request's TTFT would
+                # pay the TCP (and TLS) handshake, and a call cancelled while still connecting never reaches
+                # the writer, whose lease then holds our blocks until it runs out
+                for target in self.workers:
+                    self._channel(target).get_state(try_to_connect=True)
             except Exception:  # noqa: BLE001 - keep the last view; the registry logs outages itself
                 log.exception("refreshing the prefill workers failed")
             await asyncio.sleep(REFRESH_S if self.workers else REFRESH_S / 10)  # find the first one fast

@@ -126,8 +126,8 @@ class RemotePrefillConnector(KVConnector):
 
     def finished_loads(self) -> list[FinishedLoad]:
         loads = [FinishedLoad(rid, None) for rid in self._failed_to_start]
-        for rid in loads:
-            self._back_to_queue(self.in_flight.pop(rid.seq_id, None), writer_done=True)
+        for rid in self._failed_to_start:
+            self._back_to_queue(self.in_flight.pop(rid, None), writer_done=True)
         self._failed_to_start = []
         now, notified = time.monotonic(), self._nixl_notifications()
         for req in [r for r in self.in_flight.values() if self._settled(r, now, notified)]:

@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field
 
+from rpc.options import KVTransportChoice
 from rpc.worker_options import WorkerSettings
 
 
@@ -17,7 +16,7 @@ class DecodeSettings(WorkerSettings):
     max_waiting: int = Field(64, ge=0, description="requests queued for KV blocks before RESOURCE_EXHAUSTED")
     prefill_timeout_s: float = Field(30.0, gt=0, description="a prefill's base deadline")
     prefill_ms_per_token: float = Field(20.0, ge=0, description="added to it per prompt token")
-    kv_transport: Literal["shm", "cuda_ipc", "nixl", "grpc"] | None = Field(
+    kv_transport: KVTransportChoice = Field(
         None,
         description="force one KV transport for every hand-off (default: shm or cuda_ipc on one host, else nixl "
         "when both workers offer it, else grpc); nixl starts this worker's NIXL agent at start-up",

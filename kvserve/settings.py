@@ -16,13 +16,12 @@ it shares with its children on by walking their models (``rpc.settings.settings_
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field
 
 from engine.config import EngineConfig
 from router.settings import ApiKeySettings, StreamSettings
-from rpc.options import DrainSettings, RegistrySettings, SecuritySettings, ThreadSettings
+from rpc.options import DrainSettings, KVTransportChoice, RegistrySettings, SecuritySettings, ThreadSettings
 from rpc.settings import fields_of, settings_argv
 
 UP_SET_FIELDS = ("gpu_memory_utilization", "shared_kv_name")
@@ -61,7 +60,7 @@ class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings
         "the cluster token alone)",
     )
 
-    kv_transport: Literal["shm", "cuda_ipc", "nixl", "grpc"] | None = Field(
+    kv_transport: KVTransportChoice = Field(
         None,
         description="force one KV transport for every hand-off, passed to each decode worker (default: shm or "
         "cuda_ipc on one host, else nixl when both workers offer it, else grpc)",

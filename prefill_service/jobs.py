@@ -40,8 +40,9 @@ class PrefillJob:
 class PrefillResult:
     first_token: int
     taken: object  # what the transport still moves after the step: ``KVTransport.take`` of the blocks it lacks
-    prefill_ms: float
+    prefill_ms: float  # from the batch's start to the step that finished the prompt
     num_cached_tokens: int  # leading prompt tokens taken from our own prefix cache
+    take_ms: float = 0.0  # ``take`` after that step (the whole write, for nixl): part of the hand-off's time
 
 
 def settle(job: PrefillJob, result: PrefillResult | None = None, error: BaseException | None = None) -> None:

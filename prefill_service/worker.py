@@ -158,7 +158,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             num_tokens_written=len(prompt) - request.num_cached_tokens,
             backend=dest.backend,
             prefill_ms=result.prefill_ms,
-            transfer_ms=(time.perf_counter() - start) * 1000,
+            transfer_ms=result.take_ms + (time.perf_counter() - start) * 1000,
             worker_id=self.worker_id,
         )
 
@@ -258,12 +258,14 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                         continue
                     table = engine.block_manager.block_table(out.request_id)[job.dest_cached_tokens // bs :]
                     leased = list(job.destination.block_ids)[: len(table)]  # before our blocks are released:
+                    prefilled = time.perf_counter()
                     taken = job.transport.take(engine.runner.kv_cache, table, job.request_id, leased, job.write_until)
+                    took = time.perf_counter()
                     engine.release(out.request_id)
                     self._end_writes(job, "success")
                     metrics.count_prefill_tokens(len(job.prompt), out.num_cached_tokens, out.num_external_tokens)
-                    settle(job, PrefillResult(out.token_ids[0], taken, (time.perf_counter() - start) * 1e3,
-                                              out.num_cached_tokens))  # fmt: skip
+                    settle(job, PrefillResult(out.token_ids[0], taken, (prefilled - start) * 1e3,
+                                              out.num_cached_tokens, (took - prefilled) * 1e3))  # fmt: skip
         finally:
             for rid, job in pending.items():
                 self._drop(rid)

@@ -6,9 +6,24 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field
 
 from rpc.settings import Settings, env_name
+
+
+def _nixl_installed(transport: str | None) -> str | None:
+    if transport == "nixl":
+        from transfer.nixl import installed  # imports torch: only for this value
+
+        if not installed():
+            raise ValueError("nixl needs NIXL, which is not installed here (pip install 'kvserve[nixl]')")
+    return transport
+
+
+# ``--kv-transport`` of the decode worker and of ``kvserve up``: a transport to force for every hand-off
+KVTransportChoice = Annotated[Literal["shm", "cuda_ipc", "nixl", "grpc"] | None, AfterValidator(_nixl_installed)]
 
 
 class DrainSettings(Settings):

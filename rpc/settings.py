@@ -153,6 +153,7 @@ def describe_error(model_cls: type[BaseSettings], err: ValidationError | Setting
         return f"argument {flag_name(name)} (from ${env_name(model_cls, name)}): not a JSON list"
     lines = []
     for error in err.errors():
+        error["msg"] = error["msg"].removeprefix("Value error, ")  # a validator's own words, as it wrote them
         name = str(error["loc"][0]) if error["loc"] else ""
         if name not in model_cls.model_fields:
             lines.append(error["msg"])

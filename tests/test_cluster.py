@@ -132,6 +132,7 @@ def test_generate_command_streams_to_the_terminal(one_by_one):
     assert "KV via shm" in done.stderr and "TTFT" in done.stderr
 
 
+@pytest.mark.soak  # ~24 s: grpc hand-offs run across hosts in test_multihost.py, two decode workers in test_faults.py
 def test_2p2d_over_grpc_transfer(tmp_path, engine_prompts, hf_greedy):
     c = cluster(2, 2, tmp_path, decode_argv=["--kv-transport", "grpc"])
     try:
@@ -157,6 +158,7 @@ def test_no_prefill_worker_means_local_prefill(tmp_path, engine_prompts, hf_gree
         c.stop()
 
 
+@pytest.mark.soak  # ~16 s: test_multihost.py tears a prefill host down mid-request, test_faults.py kills one
 def test_a_killed_prefill_worker_costs_no_request(tmp_path, engine_prompts, hf_greedy):
     """Neither the request it was prefilling nor the next one (a cluster of its own: the module's is shared)."""
     # the prefill worker holds each batch open for 5 s, so the request is surely inside it when it dies

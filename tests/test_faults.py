@@ -25,13 +25,15 @@ from kvserve.supervisor import RestartPolicy, State
 from kvstore.shared_pool import pool_file_name
 
 POLICY = RestartPolicy(initial_delay_s=0.2, startup_timeout_s=120.0)
-CONCURRENCY, MAX_TOKENS = 16, 24  # half greedy, half seeded sampling (cluster_utils.load_request)
+CONCURRENCY, MAX_TOKENS = 8, 24  # half greedy, half seeded sampling (cluster_utils.load_request)
 
 
 @pytest.fixture(scope="module")
 def two_by_two(tmp_path_factory):
+    """One prefill worker (while it restarts, prompts are prefilled locally) and two decode workers (a stream
+    on one that dies or drains moves to the other): on 2 cores a fourth worker only slows the load down."""
     logs = tmp_path_factory.mktemp("logs-faults")
-    c = cluster(2, 2, logs, decode_argv=["--prefill-timeout-s", "8", "--drain-timeout", "3"])
+    c = cluster(1, 2, logs, decode_argv=["--prefill-timeout-s", "8", "--drain-timeout", "3"])
     c.log_dir = logs
     with supervised(c, POLICY) as (supervisor, messages):
         yield c, supervisor, messages
@@ -113,8 +115,8 @@ def test_no_blocks_leak_after_the_faults(two_by_two):
 
 @pytest.mark.slow
 def test_paused_redis_costs_no_request(two_by_two, expected):
-    """Paused for 10 s, Redis comes back with every worker's entry expired: the router keeps routing to the
-    workers it knows while they answer their health checks."""
+    """Paused for 6 s (an entry lives 5 s unrefreshed), Redis comes back with every worker's entry expired: the
+    router keeps routing to the workers it knows while they answer their health checks."""
     c, _, _ = two_by_two
     load = Load(c.endpoint, threads=CONCURRENCY, max_tokens=MAX_TOKENS, expected=expected)
     try:
@@ -122,7 +124,7 @@ def test_paused_redis_costs_no_request(two_by_two, expected):
         os.kill(c.redis.pid, signal.SIGSTOP)
         try:
             before = load.completed
-            time.sleep(10)
+            time.sleep(6)
             during = load.done_since(before)
         finally:
             os.kill(c.redis.pid, signal.SIGCONT)
@@ -130,7 +132,7 @@ def test_paused_redis_costs_no_request(two_by_two, expected):
         wait_until(lambda: load.done_since(after) >= CONCURRENCY, 120, "requests completing after Redis resumed")
     finally:
         load.stop()
-    print(f"\nRedis paused 10 s at concurrency {CONCURRENCY}: {during} requests completed meanwhile, "
+    print(f"\nRedis paused 6 s at concurrency {CONCURRENCY}: {during} requests completed meanwhile, "
           f"{load.completed} in all, {len(load.failures)} failed, {len(load.wrong)} wrong")  # fmt: skip
     assert load.failures == [] and load.wrong == [] and during > 0
 
@@ -147,7 +149,7 @@ def test_killed_redis_costs_no_request_and_workers_register_again(two_by_two, ex
         killed = time.monotonic()
         wait_until(lambda: c.redis.pid != old_pid and c.redis.alive, 30, "Redis restarted")
         restarted_s = time.monotonic() - killed
-        names = {"decode-0", "decode-1", "prefill-0", "prefill-1"}
+        names = {"decode-0", "decode-1", "prefill-0"}
         registry = Registry(c.redis_url, security=c.security)  # a fresh reader: its fallback view is empty
         wait_until(lambda: names <= {w.worker_id for w in registry.workers()}, 30, "every worker registered again")
         registered_s = time.monotonic() - killed

@@ -7,10 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import netns
 import pytest
 
 from cluster_state.workers import WorkerInfo, local_host_id
+from kvserve import netns
 from kvstore.shared_pool import SHM_DIR_ENV
 
 SHM = Path("/dev/shm")

@@ -7,12 +7,10 @@ import pytest
 import torch
 from conftest import BLOCK_SIZE, greedy
 
-from decode_service.settings import DecodeSettings
-from engine import LLM, EngineConfig, LLMEngine
+from engine import LLM, LLMEngine
 from kvstore import KVCache, KVCacheSpec, block_manager
 from kvstore.kv_cache import copy_blocks
 from kvstore.prefix_hash import block_hashes
-from rpc.settings import fields_of, parse_settings, settings_argv
 from transfer.blocks import read_blocks
 
 NUM_BLOCKS = 64
@@ -107,17 +105,6 @@ def test_caching_off_hashes_and_reports_nothing(engine_prompts, cold):
     outs += cold.generate([engine_prompts[2]], greedy(4))
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
     assert cold.engine.cached_block_hashes() == [] and cold.engine.take_prefix_events() == ([], [])
-
-
-def test_the_worker_flag_parses_true_or_false_and_round_trips():
-    off = parse_settings(DecodeSettings, ["--enable-prefix-caching", "false"])
-    assert off.engine_config().enable_prefix_caching is False
-    again = parse_settings(DecodeSettings, settings_argv(off, fields_of(EngineConfig)))
-    assert again.enable_prefix_caching is False and again.engine_config().enable_prefix_caching is False
-    assert parse_settings(DecodeSettings, ["--enable-prefix-caching", "TRUE"]).enable_prefix_caching is True
-    assert parse_settings(DecodeSettings, []).engine_config().enable_prefix_caching is True
-    with pytest.raises(SystemExit):
-        parse_settings(DecodeSettings, ["--enable-prefix-caching", "maybe"])
 
 
 def test_copy_blocks_moves_every_layers_k_v_and_int8_scales():

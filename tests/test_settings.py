@@ -135,3 +135,14 @@ def test_every_process_model_reads_one_environment():
     assert Settings.model_config == ModelSettings.model_config
     for model_cls, _ in PROCESSES:
         assert model_cls.model_config["env_prefix"] == "KVSERVE_" and model_cls.model_config["extra"] == "forbid"
+
+
+def test_the_prefix_caching_flag_parses_true_or_false_and_round_trips():
+    off = parse_settings(DecodeSettings, ["--enable-prefix-caching", "false"])
+    assert off.engine_config().enable_prefix_caching is False
+    again = parse_settings(DecodeSettings, settings_argv(off, fields_of(EngineConfig)))
+    assert again.enable_prefix_caching is False and again.engine_config().enable_prefix_caching is False
+    assert parse_settings(DecodeSettings, ["--enable-prefix-caching", "TRUE"]).enable_prefix_caching is True
+    assert parse_settings(DecodeSettings, []).engine_config().enable_prefix_caching is True
+    with pytest.raises(SystemExit):
+        parse_settings(DecodeSettings, ["--enable-prefix-caching", "maybe"])

@@ -45,6 +45,23 @@ def test_two_agents_move_leased_blocks_and_refuse_unsigned_metadata():
     assert [line for line in run.stdout.splitlines() if line.endswith(": ok")] == ["write: ok", "metadata: ok"]
 
 
+@pytest.mark.parametrize("command", [["-m", "decode_service"], ["-m", "kvserve.cli", "up"]])
+def test_without_nixl_forcing_it_is_refused_before_anything_starts(command):
+    """Run as if NIXL were not installed (``without_nixl``): ``--kv-transport nixl`` is one line naming the
+    flag and the fix, exit status 2; the multi-host grpc cluster runs whole without NIXL
+    (``test_multihost.py``)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent / "without_nixl"), str(ROOT)]))
+    probe = subprocess.run([sys.executable, "-c", "from transfer import nixl; print(nixl.installed())"],
+                           capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert probe.stdout.strip() == "False", probe.stderr
+    run = subprocess.run([sys.executable, *command, "--kv-transport", "nixl"], capture_output=True, text=True,
+                         timeout=120, env=env)  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1].endswith(
+        "argument --kv-transport: invalid value 'nixl': nixl needs NIXL, which is not installed here "
+        "(pip install 'kvserve[nixl]')")  # fmt: skip
+
+
 @pytest.mark.soak  # ~27 s with its cluster: pytest -m soak tests/test_transfer_nixl.py (test_multihost.py runs
 # a nixl cluster across hosts in make test)
 @needs_nixl

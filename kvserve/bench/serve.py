@@ -1,7 +1,7 @@
 """Disaggregation overhead: TTFT and TPOT through a local 1P+1D cluster vs the offline engine, same prompts.
 
     kvserve bench serve [--device cpu|cuda] [--model default|DIR] [--num-prompts 8] [--prompt-len 256]
-                        [--max-tokens 32] [--handoff-tokens 2048] [--backend auto|shm|grpc|nixl]
+                        [--max-tokens 32] [--handoff-tokens 2048] [--backend auto|shm|grpc|nixl] [--netns]
 
 Requests go one at a time, so the figures are latencies, not throughput. The offline engine runs in
 this process; the cluster's workers run as separate processes on the same device (on a GPU each of the
@@ -14,17 +14,26 @@ random``) serves as well as a real one. The KV hand-off is measured on ``--hando
 the prefill worker reports (the prefill, during which its layers store the KV straight into the decode
 worker's pool with ``shm``/``cuda_ipc``, and the hand-off's cost after it), and on a GPU the cuda_ipc
 stores alone, from another process, with this model's KV shape (``kvserve.bench.cuda_ipc``).
+
+``--netns`` (CPU): the cluster runs over three test hosts instead (``kvserve.multihost``: Redis and the router,
+the prefill worker, the decode worker, each in a network namespace with its own /dev/shm), so the KV crosses
+a real network link over nixl or grpc (auto: nixl when NIXL is installed); the offline engine stays here.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from kvserve import netns
 from kvserve.bench.offline import make_prompts
 from kvserve.bench.report import median, table
+from rpc.threads import host_cores
 
 
 @dataclass
@@ -83,20 +92,28 @@ def _run(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[Sampl
     engine_argv = ["--model", args.model, "--device", args.device, "--skip-tokenizer-init", "true"]
     if args.device == "cpu":
         engine_argv += ["--num-blocks", "512"]
-    cluster = start_cluster(port=free_base_port(2), engine_argv=engine_argv,
-                            decode_argv=[] if args.backend == "auto" else ["--kv-transport", args.backend],
-                            prefill_gpu_memory_utilization=args.prefill_gpu_share,
-                            decode_gpu_memory_utilization=args.decode_gpu_share)  # fmt: skip
-    offline, served = [], []
-    try:
+    decode_argv = [] if args.backend == "auto" else ["--kv-transport", args.backend]
+    with ExitStack() as stack:
+        if args.netns:
+            from kvserve.multihost import multihost_cluster
+
+            logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvserve-bench-")))
+            endpoint = stack.enter_context(multihost_cluster(engine_argv, logs, decode_argv,
+                                                             threads=args.worker_threads)).endpoint  # fmt: skip
+        else:
+            cluster = start_cluster(port=free_base_port(2), engine_argv=engine_argv, decode_argv=decode_argv,
+                                    threads=args.worker_threads,
+                                    prefill_gpu_memory_utilization=args.prefill_gpu_share,
+                                    decode_gpu_memory_utilization=args.decode_gpu_share)  # fmt: skip
+            stack.callback(cluster.stop)
+            endpoint = cluster.endpoint
         engine = _offline_engine(args)
-        with Client(cluster.endpoint, timeout_s=300) as client:
+        offline, served = [], []
+        with Client(endpoint, timeout_s=300) as client:
             client.generate(prompts[0][:8], max_tokens=2, temperature=0)  # warm-up
             for prompt in prompts:
                 offline.append(_time_offline(engine, prompt, args.max_tokens))
                 served.append(_time_served(client, prompt, args.max_tokens))
-    finally:
-        cluster.stop()
     return offline, served
 
 
@@ -134,12 +151,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--handoff-tokens", type=int, default=2048, help="prompt length of the hand-off figures")
     parser.add_argument("--handoff-prompts", type=int, default=3, help="prompts of that length (median)")
     parser.add_argument("--backend", choices=["auto", "shm", "grpc", "nixl"], default="auto",
-                        help="KV hand-off; auto: shm on a CPU, cuda_ipc on a GPU")  # fmt: skip
+                        help="KV hand-off; auto: shm on a CPU, cuda_ipc on a GPU; with --netns nixl, else grpc")
+    parser.add_argument("--worker-threads", type=int, default=host_cores(),
+                        help="each worker's torch threads (default: every core, as the offline engine has: "
+                        "requests go one at a time, so the workers take turns)")  # fmt: skip
+    parser.add_argument("--netns", action="store_true",
+                        help="the cluster over three test hosts (network namespaces: root, `ip`; CPU only)")
     gpu = parser.add_argument_group("GPU memory: fractions of the GPU's total memory, the three processes share it")
     gpu.add_argument("--prefill-gpu-share", type=float, default=0.3, help="the prefill worker's")
     gpu.add_argument("--decode-gpu-share", type=float, default=0.4, help="the decode worker's")
     gpu.add_argument("--offline-gpu-share", type=float, default=0.2, help="the offline engine's (this process)")
     args = parser.parse_args(argv)
+    if args.netns and (args.device != "cpu" or args.backend == "shm"):
+        parser.error("--netns runs on the CPU, and its hosts share no memory: no shm")
+    if args.netns and (reason := netns.unavailable()):
+        parser.error(f"--netns: {reason}")
+    if args.netns and args.backend == "auto":  # forced: a lazily started agent would leave the first ones to grpc
+        from transfer import nixl
+
+        args.backend = "nixl" if nixl.installed() else "grpc"
 
     from engine.bundled import resolve_model
     from engine.config import ModelConfig

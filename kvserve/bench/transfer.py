@@ -1,7 +1,7 @@
 """KV hand-off cost of one prompt's KV, per transport: ``shm``, ``grpc`` and ``nixl``, both ends in this run.
 
     kvserve bench transfer [--transport shm|grpc|nixl ...] [--tokens 2048] [--repeats 5] [--model M]
-                           [--device cpu|cuda]
+                           [--device cpu|cuda] [--netns]
 
 Each transport moves the prompt's blocks from a prefill pool into a decode pool, as the workers do, and the
 figure is the time until the decode side holds them and knows it (median of ``--repeats``); every run is
@@ -16,7 +16,9 @@ checked by the checksum of the destination blocks:
   decode pool registered with another agent (UCX; on a GPU VRAM to VRAM), until the decode side's agent has
   the write's notification.
 
-Default: every transport available here (shm on a CPU, nixl when NIXL is installed).
+Default: every transport available here (shm on a CPU, nixl when NIXL is installed). With ``--netns`` the
+two ends are processes on two test hosts (network namespaces on a bridge, each with its own /dev/shm:
+``kvserve.bench.transfer_hosts``), so grpc and nixl cross a real network link, and shm cannot run.
 """
 
 from __future__ import annotations
@@ -124,11 +126,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model", default="default", help="whose KV layout (a model directory or name)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both pools live")
+    parser.add_argument("--netns", action="store_true",
+                        help="each end on a test host of its own (network namespaces: root, `ip`)")  # fmt: skip
     args = parser.parse_args(argv)
-    available = [t for t in TRANSPORTS if (t != "shm" or args.device == "cpu") and (t != "nixl" or nixl.installed())]
+    available = [t for t in TRANSPORTS if (t != "shm" or (args.device == "cpu" and not args.netns))
+                 and (t != "nixl" or nixl.installed())]  # fmt: skip
     chosen = args.transport or available
     if missing := [t for t in chosen if t not in available]:
-        parser.error(f"not available here: {', '.join(missing)} (shm: CPU only; nixl: pip install 'kvserve[nixl]')")
+        parser.error(f"not available here: {', '.join(missing)} (shm: CPU only, one host; nixl: pip install "
+                     "'kvserve[nixl]')")  # fmt: skip
+    if args.netns:
+        from kvserve.bench.transfer_hosts import across_hosts
+
+        times, nbytes = across_hosts(args.model, args.tokens, args.device, chosen, args.repeats)
+        _report({name: median(seconds) for name, seconds in times.items()}, nbytes)
+        return
 
     from engine import LLMEngine
     from kvstore import KVCache
@@ -153,6 +165,10 @@ def main(argv: list[str] | None = None) -> None:
             results[name] = median(_shm(source, spec, num_blocks, blocks, args.repeats))
         else:
             results[name] = median((_grpc if name == "grpc" else _nixl)(source, dest, fp, blocks, args.repeats))
+    _report(results, nbytes)
+
+
+def _report(results: dict[str, float], nbytes: int) -> None:
     print(f"{'transport':10}{'latency ms':>12}{'GB/s':>8}")
     for name, seconds in results.items():
         print(f"{name:10}{seconds * 1e3:12.1f}{nbytes / seconds / 1e9:8.2f}")

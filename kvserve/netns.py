@@ -6,9 +6,12 @@ root namespace's firewall (Docker's ``FORWARD DROP``) never sees their traffic. 
 root namespace to the bridge at ``.1``, so the test itself can reach every host (and only through that link:
 nothing is routed or forwarded further).
 
-``Hosts.command`` wraps a command so that it runs inside a host: ``ip netns exec`` into its namespace, then a
-mount namespace of its own with a fresh tmpfs on /dev/shm. Processes on different test hosts can therefore
-never share memory, as on different machines; their ``cluster_state.workers.local_host_id`` differs.
+``Hosts.command`` wraps a command so that it runs inside a host: ``ip netns exec`` into its namespace, then
+new mount, UTS and PID namespaces (``unshare``): a fresh tmpfs on /dev/shm, the host's name as hostname, and
+its own process ids, the command being its init. Processes on different test hosts can therefore never
+share memory, as on different machines: their ``cluster_state.workers.local_host_id`` differs, and UCX
+(under NIXL) cannot reach the other process with cross-memory attach (``process_vm_writev``, which it picks
+whenever the peer's pid is visible, network namespaces notwithstanding), so it moves KV over TCP.
 
 Every name carries ``PREFIX`` and the owning test process's pid (``kvsn<pid>-h0``, root link ``kvsn<pid>``).
 Leaving ``Hosts`` (a context manager; exceptions included) SIGKILLs every process inside its namespaces,
@@ -34,7 +37,7 @@ from types import TracebackType
 PREFIX = "kvsn"
 _OWNED = re.compile(rf"^{PREFIX}(\d+)(?:-|$)")
 # inside a host: its own mount namespace (mounts private, so nothing leaks out) with a new tmpfs on /dev/shm
-_PRIVATE_SHM = 'mount -t tmpfs -o mode=1777 kvserve-netns /dev/shm && exec "$@"'
+_PRIVATE_SHM = 'mount -t tmpfs -o mode=1777 kvserve-netns /dev/shm && hostname "$0" && exec "$@"'
 _SETTLE_S = 5.0  # the kernel destroys a deleted namespace's links asynchronously
 
 
@@ -188,10 +191,10 @@ class Hosts:
             _ip("-n", self.bridge, "link", "set", f"h{i}", "master", "br0", "up")
 
     def command(self, host: Host, argv: list[str]) -> list[str]:
-        """``argv`` as it runs on ``host``: in its network namespace, with a /dev/shm of its own. Started with
-        ``subprocess.Popen``, the process is ``argv``'s own (each wrapper execs the next)."""
-        return ["ip", "netns", "exec", host.name, "unshare", "--mount", "--propagation", "private",
-                "sh", "-c", _PRIVATE_SHM, "sh", *argv]  # fmt: skip
+        """``argv`` as it runs on ``host`` (see the module's docstring). Started with ``subprocess.Popen``, the
+        process is ``unshare``'s, whose child ``argv`` is; killing it kills ``argv`` (``--kill-child``)."""
+        return ["ip", "netns", "exec", host.name, "unshare", "--mount", "--uts", "--pid", "--kill-child",
+                "--mount-proc", "--propagation", "private", "sh", "-c", _PRIVATE_SHM, host.name, *argv]  # fmt: skip
 
     def kill(self, host: Host) -> None:
         """Take ``host`` off the network as a crashed machine leaves it: SIGKILL every process on it, delete its
