@@ -66,9 +66,11 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, rope_inv_freq(config))  # (positions, head_dim / 2)
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        with torch.device("cpu"):  # also inside the loader's meta device, where arange would import torch._dynamo
+            positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+            freqs = torch.outer(positions, rope_inv_freq(config))  # (positions, head_dim / 2)
+            cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """``positions (tokens,)`` -> ``cos_sin (tokens, head_dim)``, the layout ``kernels.rotary_embedding`` takes."""
@@ -142,7 +144,10 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # uninitialised: the loader fills every parameter from the checkpoint. Initialising it (``normal_``) on
+        # the meta device the loader builds on would import torch._dynamo: ~2 s of CPU at every process start
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))  # fmt: skip
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -36,13 +36,14 @@ def test_runs_pair_consecutive_blocks():
 
 
 @needs_nixl
-def test_two_agents_move_leased_blocks_and_refuse_unsigned_metadata():
+def test_two_agents_move_leased_blocks_refuse_unsigned_metadata_and_rest_when_idle():
     """In a process of its own (``nixl_pair.py``): NIXL's bundled C++ protobuf and grpc_tools' protoc
     (tests/test_protos.py) crash one process that loads both, so this one never loads NIXL."""
     run = subprocess.run([sys.executable, str(Path(__file__).parent / "nixl_pair.py")], capture_output=True,
                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert [line for line in run.stdout.splitlines() if line.endswith(": ok")] == ["write: ok", "metadata: ok"]
+    passed = [line for line in run.stdout.splitlines() if line.endswith(": ok")]
+    assert passed == ["write: ok", "metadata: ok", "idle: ok"]
 
 
 @pytest.mark.parametrize("command", [["-m", "decode_service"], ["-m", "kvserve.cli", "up"]])

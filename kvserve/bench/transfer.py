@@ -14,7 +14,8 @@ checked by the checksum of the destination blocks:
   the sender has an event loop of its own, as the prefill worker has;
 * nixl: the ``nixl`` transport (``transfer.nixl``) writes the blocks from the prefill worker's agent into the
   decode pool registered with another agent (UCX; on a GPU VRAM to VRAM), until the decode side's agent has
-  the write's notification.
+  the write's notification;
+* tcp (``--netns`` only): no transport, the link's reference: the same bytes through a plain socket.
 
 Default: every transport available here (shm on a CPU, nixl when NIXL is installed). With ``--netns`` the
 two ends are processes on two test hosts (network namespaces on a bridge, each with its own /dev/shm:
@@ -30,7 +31,7 @@ import torch
 
 from kvserve.bench.report import median
 
-TRANSPORTS = ("shm", "grpc", "nixl")
+TRANSPORTS = ("shm", "grpc", "nixl", "tcp")  # tcp: the link's reference with --netns (transfer_hosts)
 
 
 def _shm(source, spec, num_blocks, blocks, repeats: int) -> list[float]:
@@ -129,12 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--netns", action="store_true",
                         help="each end on a test host of its own (network namespaces: root, `ip`)")  # fmt: skip
     args = parser.parse_args(argv)
-    available = [t for t in TRANSPORTS if (t != "shm" or (args.device == "cpu" and not args.netns))
-                 and (t != "nixl" or nixl.installed())]  # fmt: skip
+    here = {"shm": args.device == "cpu" and not args.netns, "grpc": True, "nixl": nixl.installed(),
+            "tcp": args.netns and args.device == "cpu"}  # fmt: skip
+    available = [t for t in TRANSPORTS if here[t]]
     chosen = args.transport or available
     if missing := [t for t in chosen if t not in available]:
         parser.error(f"not available here: {', '.join(missing)} (shm: CPU only, one host; nixl: pip install "
-                     "'kvserve[nixl]')")  # fmt: skip
+                     "'kvserve[nixl]'; tcp: the link's reference, --netns on the CPU)")  # fmt: skip
     if args.netns:
         from kvserve.bench.transfer_hosts import across_hosts
 
@@ -173,8 +175,11 @@ def _report(results: dict[str, float], nbytes: int) -> None:
     for name, seconds in results.items():
         print(f"{name:10}{seconds * 1e3:12.1f}{nbytes / seconds / 1e9:8.2f}")
     if "grpc" in results:
-        for name in (n for n in results if n != "grpc"):
+        for name in (n for n in results if n not in ("grpc", "tcp")):
             print(f"{name} is {results['grpc'] / results[name]:.1f}x as fast as grpc for this hand-off")
+    if "tcp" in results:  # the link's reference (kvserve.bench.transfer_hosts)
+        for name in (n for n in results if n != "tcp"):
+            print(f"{name} moves at {results['tcp'] / results[name]:.0%} of a plain TCP copy's speed over this link")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ the KV crosses a veth pair, a bridge and another veth pair, as between machines,
 * the prefill end (``... prefill``) holds the prompt's blocks (random bytes) in a pool of that layout and
   opens both transports to the decode end, as a prefill worker does from a lease.
 
+``tcp`` is the link's reference, no transport: the same number of bytes sent from the prefill end's pool
+buffer with one ``sendall`` on a plain socket and received with ``recv_into`` straight into the decode end's,
+acknowledged by one byte: what any transport over TCP can at best do here.
+
 This process drives them over their stdin and stdout, one hand-off at a time, alternating the transports
 so that both see the machine in the same state. A hand-off's time runs from the prefill end's start until
 the decode end holds the blocks and knows it: for grpc, when the receiver's answer is back at the sender;
@@ -21,9 +25,11 @@ from __future__ import annotations
 import base64
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -71,6 +77,9 @@ def decode_end(model: str, tokens: int, device: str, address: str, transports: l
         return server
 
     server = aio.run(serve())
+    nbytes = len(blocks) * spec.bytes_per_block()
+    listener = socket.create_server((address, RECEIVER_PORT + 1))
+    threading.Thread(target=_tcp_sink, args=(listener, dest.buffer, nbytes), daemon=True).start()
     pool = None
     if "nixl" in transports:
         from transfer import nixl
@@ -86,13 +95,35 @@ def decode_end(model: str, tokens: int, device: str, address: str, transports: l
         if command == "expect":
             while ("bench-prefill", rid) not in pool.arrived():
                 time.sleep(0.001)
-        answer = {"arrived": time.monotonic(), "checksum": checksum_blocks(dest, blocks)}
+        digest = _raw_checksum(dest.buffer, nbytes) if command == "raw" else checksum_blocks(dest, blocks)
+        answer = {"arrived": time.monotonic(), "checksum": digest}
         dest.buffer.zero_()  # the next hand-off must bring every byte again
         _say(answer)
     aio.run(server.stop(0))
     aio.stop()
     if pool is not None:
         pool.close()
+
+
+def _raw_checksum(buffer, nbytes: int) -> str:  # noqa: ANN001 - a CPU tensor
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(buffer.numpy()[:nbytes])
+
+
+def _tcp_sink(listener: socket.socket, buffer, nbytes: int) -> None:  # noqa: ANN001 - a CPU tensor
+    """The ``tcp`` reference's receiving side: ``nbytes`` into ``buffer``, then one byte back, until closed."""
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    view = memoryview(buffer.numpy())[:nbytes]
+    while True:
+        got = 0
+        while got < nbytes:
+            n = conn.recv_into(view[got:], nbytes - got)
+            if not n:
+                return
+            got += n
+        conn.sendall(b"\x01")
 
 
 def prefill_end(device: str, transports: list[str]) -> None:
@@ -125,13 +156,21 @@ def prefill_end(device: str, transports: list[str]) -> None:
                                  num_blocks=ready["num_blocks"], nixl_metadata=base64.b64decode(ready["nixl_metadata"]),
                                  nixl_pool=ready["nixl_pool"])  # fmt: skip
         opened["nixl"] = nixl.NixlTransport.open(lease, origin)
-    _say({"source_checksum": checksum_blocks(source, blocks)})
+    nbytes = len(blocks) * spec.bytes_per_block()
+    if "tcp" in transports:
+        host, port = ready["address"].rsplit(":", 1)
+        opened["tcp"] = socket.create_connection((host, int(port) + 1))
+        opened["tcp"].setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    _say({"source_checksum": checksum_blocks(source, blocks), "source_raw": _raw_checksum(source.buffer, nbytes)})
     for line in sys.stdin:  # "TRANSPORT RID": one hand-off
         name, rid = line.split()
         transport = opened[name]
         start = time.monotonic()
         if name == "grpc":
             digest, error = sender.run(transport.finish(rid, blocks, transport.take(source, blocks))), ""
+        elif name == "tcp":
+            transport.sendall(memoryview(source.buffer.numpy())[:nbytes])
+            digest, error = "", "" if transport.recv(1) == b"\x01" else "the receiving end closed"
         else:
             written = transport.take(source, blocks, rid, blocks)
             digest, error = written.checksum, written.error
@@ -181,7 +220,7 @@ def across_hosts(model: str, tokens: int, device: str, transports: list[str],
               f"decode end on {decode_host.address}, prefill end on {prefill_host.address}: two network namespaces "
               "on a bridge, each with a /dev/shm of its own")  # fmt: skip
         prefill.send(json.dumps(ready | {"tokens": tokens}))
-        source = prefill.read()["source_checksum"]
+        sources = prefill.read()
         for i in range(repeats + 1):  # the first round warms both ends up and is not counted
             for name in transports:
                 rid = f"bench-{name}-{i}"
@@ -189,10 +228,11 @@ def across_hosts(model: str, tokens: int, device: str, transports: list[str],
                     decode.send(f"expect {rid}")
                 prefill.send(f"{name} {rid}")
                 sent = prefill.read()
-                if name == "grpc":  # the receiver answered after its last write
-                    decode.send(f"check {rid}")
+                if name != "nixl":  # the receiver answered after its last write
+                    decode.send(f"{'raw' if name == 'tcp' else 'check'} {rid}")
                 arrived = decode.read()
-                if sent["error"] or sent["checksum"] != source or arrived["checksum"] != source:
+                source = sources["source_raw" if name == "tcp" else "source_checksum"]
+                if sent["error"] or sent["checksum"] not in ("", source) or arrived["checksum"] != source:
                     raise RuntimeError(f"{name} hand-off {i} failed: {sent['error'] or 'checksums differ'}")
                 end = arrived["arrived"] if name == "nixl" else sent["end"]
                 if i:
