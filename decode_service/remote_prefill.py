@@ -77,6 +77,8 @@ class RemotePrefillConnector(KVConnector):
         if req is None or req.state is not S.QUEUED:
             return 0, False  # already prefilled once (a preempted request is recomputed here)
         req.target = self.prefills.pick(req.tried, req.preferred_prefill)
+        # what we hold: our prefix cache's hit plus what a connector before us (a memory tier) loads
+        req.num_cached_tokens = num_cached_tokens
         return (seq.num_tokens - num_cached_tokens, True) if req.target is not None else (0, False)
 
     def after_allocate(self, seq: Sequence, num_external_tokens: int) -> None:
@@ -86,7 +88,7 @@ class RemotePrefillConnector(KVConnector):
         if not req.admitted:
             req.admitted = True
             self.admission.leave()
-        req.block_ids, req.num_cached_tokens = seq.block_table.tolist(), seq.num_computed_tokens
+        req.block_ids = seq.block_table.tolist()
         if not num_external_tokens:
             req.move(S.RUNNING)
             req.backend, req.prefill_worker = LOCAL, ""

@@ -156,7 +156,8 @@ def validate_decode_request(request: pb.DecodeRequest, engine: LLMEngine
     continuation = None
     if request.resumed_output_token_ids:  # a stream the router moved here from a worker that died or drained
         continuation = Continuation(tuple(request.resumed_output_token_ids), request.num_resumed_chars)
-        check_continuation(continuation, len(prompt), params, engine.model_config.vocab_size, engine.max_model_len)
+        vocab_size = engine.model_config.vocab_size
+        check_continuation(continuation, len(prompt), params, vocab_size, engine.max_len_for(params))
     return prompt, params, continuation
 
 

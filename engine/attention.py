@@ -11,6 +11,18 @@ from kvstore import LayerKV
 
 
 @dataclass
+class RingMetadata:
+    """A batch in which some sequence attends over sinks + a window (``kvstore.ring``): every sequence's
+    kernel row (``FULL_RING_ROW`` for those without a window) and every query's position inside its cache, where
+    its sink-facing copy is rotated."""
+
+    rows: torch.Tensor  # (seqs, 4) int32: sinks, window, sink blocks, ring blocks
+    sink_positions: torch.Tensor  # (tokens,) int64
+    max_position: int  # the batch's largest position, known on the host (sizes the rotary lookup)
+    has_sinks: bool  # whether any sequence keeps sinks (else no query needs its sink-facing copy)
+
+
+@dataclass
 class AttentionMetadata:
     """Flat tensors describing one step's batch; the kernels consume them directly.
 
@@ -29,6 +41,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # (seqs + 1,) int32
     num_decodes: int
     max_q_len: int | None = None
+    ring: RingMetadata | None = None  # some sequence attends over a window (``kvstore.ring``)
 
     @property
     def num_seqs(self) -> int:
@@ -42,26 +55,31 @@ def paged_attention(
     kv: LayerKV,
     meta: AttentionMetadata,
     scale: float,
+    q_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store this step's K/V in the pool, then attend: decode rows and prefill rows each by their own kernel.
 
-    q ``(tokens, q_heads, head_dim)``, k and v ``(tokens, kv_heads, head_dim)``.
+    q ``(tokens, q_heads, head_dim)``, k and v ``(tokens, kv_heads, head_dim)``. With ``q_sink`` (the queries
+    rotated at their positions inside their caches) the layer attends over ``meta.ring``'s windows.
     """
     scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale}
     kernels.store_kvcache(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, **scales)
     nd = meta.num_decodes
+    windows = ({}, {}) if q_sink is None else (
+        {"q_sink": q_sink[:nd], "ring": meta.ring.rows[:nd]}, {"q_sink": q_sink[nd:], "ring": meta.ring.rows[nd:]}
+    )  # fmt: skip
     if nd == meta.num_seqs:
         return kernels.paged_decode_attention(
-            q, kv.k_cache, kv.v_cache, meta.block_tables, meta.seq_lens, scale, **scales
+            q, kv.k_cache, kv.v_cache, meta.block_tables, meta.seq_lens, scale, **scales, **windows[0]
         )
     out = torch.empty_like(q)
     if nd:
         out[:nd] = kernels.paged_decode_attention(
-            q[:nd], kv.k_cache, kv.v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, **scales
+            q[:nd], kv.k_cache, kv.v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, **scales, **windows[0]
         )
     out[nd:] = kernels.paged_prefill_attention(
         q[nd:], k[nd:], v[nd:], kv.k_cache, kv.v_cache,
         meta.block_tables[nd:], meta.cu_seqlens_q[nd:] - nd, meta.seq_lens[nd:], scale,
-        max_q_len=meta.max_q_len, **scales,
+        max_q_len=meta.max_q_len, **scales, **windows[1],
     )  # fmt: skip
     return out

@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvstore.ring import check_streaming
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -60,11 +62,44 @@ class EngineConfig(ModelSettings):
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV of full blocks earlier requests computed for the same leading tokens"
     )
+    streaming_window: int = Field(
+        0,
+        ge=0,
+        description="StreamingLLM: each request attends over its first streaming_sinks tokens and its last "
+        "streaming_window tokens only, in a ring of blocks that stays the same size however long it runs "
+        "(max_model_len no longer bounds it); at least block_size; a request may set its own; 0: off",
+    )
+    streaming_sinks: int = Field(
+        4, ge=0, description="StreamingLLM's attention sinks: leading tokens kept beside the window (< the window)"
+    )
+
+    @model_validator(mode="after")
+    def _check_streaming(self) -> EngineConfig:
+        check_streaming(self.streaming_window, self.streaming_sinks, self.block_size)
+        return self
+
     seed: int = Field(0, description="seed of the engine's RNG, which seeds the requests that bring none")
     shared_kv_name: str | None = Field(None, description="put the KV pool in a shared-memory file with this name")
     enforce_eager: bool = Field(
         False,
         description="run every step eagerly on its unpadded batch: no decode CUDA graphs, no padded decode path",
+    )
+    host_kv_cache_gb: float = Field(
+        0.0,
+        ge=0,
+        description="GiB of host memory (pinned on a GPU) for the L2 tier below the KV pool: blocks the pool "
+        "evicts are kept there and loaded back on a prefix hit, and preempted sequences are swapped there; 0: off",
+    )
+    preemption_mode: Literal["auto", "swap", "recompute"] = Field(
+        "auto",
+        description="what a preempted sequence's KV becomes: swap copies it to the host tier and back; recompute "
+        "frees it; auto swaps sequences of at least two full blocks while the host tier has room, recomputes the rest",
+    )
+    disk_kv_cache_dir: str | None = Field(
+        None, description="directory of the L3 disk tier (below the host tier, kept across restarts); none: off"
+    )
+    disk_kv_cache_gb: float = Field(
+        0.0, ge=0, description="GiB the disk tier may fill in disk_kv_cache_dir (needs host_kv_cache_gb)"
     )
 
     def torch_device(self) -> torch.device:
@@ -155,6 +190,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     sliding_window: int | None = None
+    # the layers that attend over the sliding window only (all of them for Mistral; Qwen2's from
+    # max_window_layers on, or its config's layer_types); empty without a sliding window
+    sliding_window_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
@@ -172,15 +210,25 @@ class ModelConfig:
             for token in source if isinstance(source, list) else [source]:
                 if token is not None and token not in eos:
                     eos.append(int(token))
-        sliding = raw.get("sliding_window")
-        if architecture == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+        sliding, num_layers = raw.get("sliding_window"), raw["num_hidden_layers"]
+        if architecture not in ("MistralForCausalLM", "Qwen2ForCausalLM") or (
+            architecture == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False)
+        ):
+            sliding = None  # (transformers' Llama ignores the field; Qwen2 only reads it with use_sliding_window)
+        sliding_layers: tuple[int, ...] = ()
+        if sliding and raw.get("layer_types"):
+            sliding_layers = tuple(i for i, kind in enumerate(raw["layer_types"]) if kind == "sliding_attention")
+        elif sliding:
+            first = raw.get("max_window_layers", 28) if architecture == "Qwen2ForCausalLM" else 0
+            sliding_layers = tuple(range(first, num_layers))
+        if not sliding_layers:
             sliding = None
         return cls(
             architecture=architecture,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
@@ -194,11 +242,16 @@ class ModelConfig:
             eos_token_ids=tuple(eos),
             bos_token_id=raw.get("bos_token_id"),
             sliding_window=sliding,
+            sliding_window_layers=sliding_layers,
         )
 
     @property
     def max_context(self) -> int:
-        """Longest sequence the model attends over exactly (a sliding window, when set, caps it)."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence the model attends over exactly: its positions (a sliding window attends exactly
+        over any length, through a ring of blocks: ``kvstore.ring``)."""
         return self.max_position_embeddings
+
+    @property
+    def slides_every_layer(self) -> bool:
+        """Whether every layer attends over the sliding window only, so a sequence needs no KV before it."""
+        return len(self.sliding_window_layers) == self.num_layers

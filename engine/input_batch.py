@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, RingMetadata
 from engine.sequence import Sequence
 from kvstore import batch_slots
+from kvstore.ring import FULL_RING_ROW, RING_SINKS, sink_query_positions
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 _ALIGN = 8  # every section starts 8-byte aligned, so an int64 view of the device bytes is legal
@@ -119,6 +120,9 @@ def stage_step(
     sampled = np.flatnonzero(ends == totals)
     num_tokens = int(counts.sum())
     width = max(len(s.block_table) for s in seqs)
+    rings = None  # (seqs, 4) kernel rows when some sequence attends over a window (``kvstore.ring``)
+    if any(s.ring is not None for s in seqs):
+        rings = np.array([FULL_RING_ROW if s.ring is None else s.ring.kernel_row() for s in seqs], dtype=np.int64)
     host, dev, nbytes = buffer.views([
         ("input_ids", np.int64, (num_tokens,)),
         ("positions", np.int64, (num_tokens,)),
@@ -127,6 +131,7 @@ def stage_step(
         ("seq_lens", np.int32, (num_seqs,)),
         ("cu_seqlens_q", np.int32, (num_seqs + 1,)),
         ("block_tables", np.int32, (num_seqs, width)),
+        *([] if rings is None else [("ring", np.int32, (num_seqs, 4)), ("sink_positions", np.int64, (num_tokens,))]),
     ])  # fmt: skip
     cu = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(counts, out=cu[1:])
@@ -142,8 +147,13 @@ def stage_step(
     rows = np.repeat(np.arange(num_seqs), counts)
     positions = np.arange(num_tokens) + (starts - cu[:-1])[rows]
     host["positions"][:] = positions
-    host["slot_mapping"][:] = batch_slots(tables, rows, positions, block_size)
+    host["slot_mapping"][:] = batch_slots(tables, rows, positions, block_size, None if rings is None else rings[rows])
     host["logit_rows"][:] = cu[1:][sampled] - 1
+    ring = None
+    if rings is not None:
+        host["ring"][:] = rings
+        host["sink_positions"][:] = sink_query_positions(positions, rings[rows])
+        ring = RingMetadata(dev["ring"], dev["sink_positions"], int(positions.max()), bool(rings[:, RING_SINKS].any()))
     buffer.send(nbytes)
     meta = AttentionMetadata(
         slot_mapping=dev["slot_mapping"],
@@ -152,6 +162,7 @@ def stage_step(
         cu_seqlens_q=dev["cu_seqlens_q"],
         num_decodes=num_decodes,
         max_q_len=int(counts.max()),
+        ring=ring,
     )
     return StepInputs(dev["input_ids"], dev["positions"], meta, dev["logit_rows"], sampled.tolist())
 

@@ -22,15 +22,19 @@ Scheduler side, when a waiting sequence is considered for admission:
    took out of the block manager's hands (``BlockManager.rename``) because a writer may still reach them.
 4. ``request_finished(seq)``: the sequence ended (finished, aborted, or its save failed); True keeps its
    blocks until the caller's ``LLMEngine.release`` (a KV reader still needs them).
+5. ``preempt(seq)``: the scheduler is about to free a running sequence's blocks and send it back to the
+   waiting queue (its ``num_computed_tokens`` still counts the KV they hold): the last moment to copy that
+   KV out (swap preemption), for ``num_external_tokens`` to offer when it is admitted again.
 
 Runner side, around the model's step:
 
-5. ``start_loads(admitted)``: fill the synchronous external tokens of the sequences admitted this step.
-6. ``save(seqs, num_new_tokens)``: after the step, before its tokens count as computed: write out what must
+6. ``start_loads(admitted)``: fill the synchronous external tokens of the sequences admitted this step.
+7. ``save(seqs, num_new_tokens)``: after the step, before its tokens count as computed: write out what must
    leave this pool. Returns the sequences whose KV could not be saved (or loaded) in time: the step ends
    them (finish reason ``"kv_transfer_expired"``) without caching its blocks.
 
-The base class is the offline engine's: nothing comes from or goes outside.
+The base class is the offline engine's: nothing comes from or goes outside. ``ConnectorChain`` composes
+connectors (an engine's memory tiers first, then a worker's transfer connector).
 """
 
 from __future__ import annotations
@@ -70,6 +74,9 @@ class KVConnector:
         """``seq`` ended; True keeps its blocks until ``LLMEngine.release``."""
         return False
 
+    def preempt(self, seq: Sequence) -> None:
+        """``seq``'s blocks are about to be freed by a preemption (their KV is still there)."""
+
     # -- runner side -------------------------------------------------------------------------------------
 
     def start_loads(self, admitted: list[Sequence]) -> None:
@@ -78,3 +85,55 @@ class KVConnector:
     def save(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[Sequence]:
         """After the step computed ``num_new_tokens[i]`` tokens of ``seqs[i]``: the sequences it failed for."""
         return []
+
+
+class ConnectorChain(KVConnector):
+    """Several connectors as one, asked in order: each offers tokens after what those before it offered.
+
+    An asynchronous offer ends the walk (it brings everything after it); those not asked get
+    ``after_allocate(seq, 0)``. Every connector sees every other call.
+    """
+
+    def __init__(self, connectors: list[KVConnector]) -> None:
+        self.connectors = connectors
+        self._offers: dict[str, list[int]] = {}  # seq id -> what each connector offered at this admission
+
+    def num_external_tokens(self, seq: Sequence, num_cached_tokens: int) -> tuple[int, bool]:
+        offers: list[int] = []
+        total, later = 0, False
+        for connector in self.connectors:
+            n, later = connector.num_external_tokens(seq, num_cached_tokens + total)
+            offers.append(n)
+            total += n
+            if later:
+                break
+        self._offers[seq.seq_id] = offers
+        return total, later
+
+    def after_allocate(self, seq: Sequence, num_external_tokens: int) -> None:
+        offers = self._offers.pop(seq.seq_id, [num_external_tokens])
+        for i, connector in enumerate(self.connectors):
+            connector.after_allocate(seq, offers[i] if i < len(offers) else 0)
+
+    def finished_loads(self) -> list[FinishedLoad]:
+        return [load for connector in self.connectors for load in connector.finished_loads()]
+
+    def request_finished(self, seq: Sequence) -> bool:
+        self._offers.pop(seq.seq_id, None)
+        keeps = [connector.request_finished(seq) for connector in self.connectors]  # every one hears it
+        return any(keeps)
+
+    def preempt(self, seq: Sequence) -> None:
+        for connector in self.connectors:
+            connector.preempt(seq)
+
+    def start_loads(self, admitted: list[Sequence]) -> None:
+        for connector in self.connectors:
+            connector.start_loads(admitted)
+
+    def save(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[Sequence]:
+        failed: dict[str, Sequence] = {}
+        for connector in self.connectors:
+            for seq in connector.save(seqs, num_new_tokens):
+                failed[seq.seq_id] = seq
+        return list(failed.values())

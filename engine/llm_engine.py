@@ -22,15 +22,17 @@ import itertools
 from engine.bundled import resolve_model
 from engine.config import EngineConfig, ModelConfig
 from engine.continuation import Continuation, check_continuation, resume
-from engine.kv_connector import TRANSFER_EXPIRED, KVConnector
+from engine.kv_connector import TRANSFER_EXPIRED, ConnectorChain, KVConnector
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, StepError
 from engine.sampling_params import SamplingParams, check_token_ids
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
+from engine.tier_connector import build_tiers
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvstore import BlockManager
 from kvstore.layout import fingerprint
+from kvstore.ring import UNBOUNDED, RingSpec, check_streaming
 
 Prompt = str | list[int]
 
@@ -49,10 +51,13 @@ class LLMEngine:
                 f"{self.model_config.max_context} tokens"
             )
         self.max_model_len = self.runner.max_model_len  # within the pool too (see ModelRunner)
+        self.ring_for(SamplingParams())  # the engine's own streaming options fit this model and pool
         self.prefix_salt = fingerprint(self.model_config.architecture, self.runner.kv_spec)
         caching, salt = self.config.enable_prefix_caching, self.prefix_salt
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_caching=caching, salt=salt)
-        self.connector = KVConnector()
+        self.tiers = build_tiers(self.config, self.runner.kv_spec, self.runner.device, self.block_manager,
+                                 self.runner.kv_cache.layers, self.prefix_salt)  # fmt: skip
+        self.connector = self.tiers or KVConnector()
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.connector)  # fmt: skip
         self.eos_token_ids = set(self.model_config.eos_token_ids)
@@ -62,18 +67,25 @@ class LLMEngine:
         self._ids = itertools.count()
 
     def close(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()
         self.runner.close()
 
     def connect(self, connector: KVConnector) -> None:
-        """Route KV to and from outside through ``connector`` from now on (before the first request)."""
+        """Route KV to and from outside through ``connector`` from now on (before the first request), after the
+        engine's own memory tiers when it has them."""
         if self._sequences:
             raise ValueError("connect a KV connector before adding requests")
+        if self.tiers is not None:
+            self.tiers.then_remote = True
+            connector = ConnectorChain([self.tiers, connector])
         self.connector = self.scheduler.connector = connector
 
     # -- requests -----------------------------------------------------------------------------------------
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt given as text or ids, validated against the model and the pool."""
+    def tokenize(self, prompt: Prompt, max_len: int | None = None) -> list[int]:
+        """Token ids of a prompt given as text or ids, validated against the model and the pool (or, with
+        ``max_len``, against that length: ``max_len_for``)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: send at least one character or token id")
@@ -85,7 +97,7 @@ class LLMEngine:
             if not ids:
                 raise ValueError("prompt is empty: send at least one character or token id")
             check_token_ids(ids, self.model_config.vocab_size, "prompt token ids")
-        if len(ids) >= self.max_model_len:
+        if len(ids) >= (max_len or self.max_model_len):
             raise ValueError(
                 f"prompt has {len(ids)} tokens but at most {self.max_model_len - 1} fit "
                 f"(model context {self.model_config.max_context} tokens, KV pool "
@@ -98,7 +110,33 @@ class LLMEngine:
         params.validate(self.model_config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this engine runs with skip_tokenizer_init")
-        return self.tokenize(prompt)
+        return self.tokenize(prompt, self.max_len_for(params))
+
+    # -- windows (kvstore.ring) -----------------------------------------------------------------------------
+
+    def ring_for(self, params: SamplingParams) -> RingSpec | None:
+        """The ring a request attends through: StreamingLLM's sinks + window when it (or, unset, the engine)
+        asks for a ``streaming_window``, else the model's own sliding window; None: a full cache.
+        ``ValueError`` when its options make no ring, or one the pool cannot hold."""
+        window = self.config.streaming_window if params.streaming_window is None else params.streaming_window
+        sinks = self.config.streaming_sinks if params.streaming_sinks is None else params.streaming_sinks
+        if not window:
+            return self.runner.model_ring
+        if self.runner.model_ring is not None:
+            raise ValueError(f"this model attends over a sliding window of {self.model_config.sliding_window} "
+                             "tokens already: send no streaming_window (or 0)")  # fmt: skip
+        check_streaming(window, sinks, self.config.block_size)
+        ring = RingSpec(sinks, window, self.config.block_size)
+        if ring.max_blocks > self.runner.num_blocks:
+            raise ValueError(f"streaming_window={window} with {sinks} sinks needs {ring.max_blocks} KV blocks "
+                             f"(window, sinks, one step's chunk); the pool has {self.runner.num_blocks}")  # fmt: skip
+        return ring
+
+    def max_len_for(self, params: SamplingParams) -> int:
+        """The longest sequence a request may grow to: ``max_model_len``, except that a streaming one
+        (``streaming_window``) has no bound but its positions' integers."""
+        ring = self.ring_for(params)
+        return self.max_model_len if ring is None or ring == self.runner.model_ring else UNBOUNDED
 
     def add_request(
         self,
@@ -135,9 +173,11 @@ class LLMEngine:
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
             sampling_seed=self.runner.sampler.stream_seed(params.seed),
+            ring=self.ring_for(params),
         )
         if continuation is not None:
-            check_continuation(continuation, seq.num_tokens, params, self.model_config.vocab_size, self.max_model_len)
+            check_continuation(continuation, seq.num_tokens, params, self.model_config.vocab_size,
+                               self.max_len_for(params))  # fmt: skip
             resume(seq, continuation)
         return seq
 
@@ -171,6 +211,18 @@ class LLMEngine:
     def cached_block_hashes(self) -> list[str]:
         """Every block hash this engine can serve from its prefix cache now (for a full resync)."""
         return self.block_manager.cached_block_hashes()
+
+    def take_tier_events(self) -> dict[str, tuple[list[str], list[str]]]:
+        """Per memory tier below the pool ("host", "disk"): (hashes stored, hashes evicted) since the last call,
+        netted like ``take_prefix_events``; {} without tiers."""
+        return self.tiers.take_events() if self.tiers is not None else {}
+
+    def held_block_hashes(self) -> dict[str, list[str]]:
+        """Every block hash this engine holds, by tier ("device" is the pool's prefix cache), for a resync."""
+        held = {"device": self.cached_block_hashes()}
+        if self.tiers is not None:
+            held.update(self.tiers.held())
+        return held
 
     # -- the loop -----------------------------------------------------------------------------------------
 
@@ -227,8 +279,10 @@ class LLMEngine:
                 detok.truncate(detok.num_chars - len(tail) + min(hits))
                 return "stop"
         num_tokens = len(seq.token_ids)
-        if num_tokens - len(seq.prompt_token_ids) >= params.max_tokens or num_tokens >= self.max_model_len:
+        if num_tokens - len(seq.prompt_token_ids) >= params.max_tokens:
             return "length"
+        if num_tokens >= self.max_model_len and (seq.ring is None or seq.ring == self.runner.model_ring):
+            return "length"  # (a streaming sequence goes on: its ring holds the same blocks however long it runs)
         return None
 
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:

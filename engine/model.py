@@ -68,18 +68,35 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         with torch.device("cpu"):  # also inside the loader's meta device, where arange would import torch._dynamo
             positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-            freqs = torch.outer(positions, rope_inv_freq(config))  # (positions, head_dim / 2)
+            inv_freq = rope_inv_freq(config)
+            freqs = torch.outer(positions, inv_freq)  # (positions, head_dim / 2)
             cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """``positions (tokens,)`` -> ``cos_sin (tokens, head_dim)``, the layout ``kernels.rotary_embedding`` takes."""
         return self.cos_sin[positions]
 
+    def at(self, positions: torch.Tensor, max_position: int) -> torch.Tensor:
+        """``forward`` for positions that may lie past the table (a streaming sequence outlives the model's
+        context), ``max_position`` their largest: those rows are computed here, their angles in float64 so
+        that a key rotated far out still scores by its distance alone. The table stays as it is (a captured
+        decode graph reads it)."""
+        if max_position < self.cos_sin.shape[0]:
+            return self.cos_sin[positions]
+        last = self.cos_sin.shape[0] - 1
+        angles = positions.double()[:, None] * self.inv_freq.double()[None, :]  # (tokens, head_dim / 2)
+        computed = torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+        return torch.where((positions > last)[:, None], computed, self.cos_sin[positions.clamp(max=last)])
+
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
+        # which layers attend over a batch's windows (``AttentionMetadata.ring``): all of them, except in a
+        # model that slides in some layers only (the others see every key)
+        self.windowed = config.sliding_window is None or layer in config.sliding_window_layers
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -87,15 +104,23 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
+                sink_cos_sin: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """``sink_cos_sin``: with ``meta.ring``, the rotation of each query's sink-facing copy."""
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Strided views into the one projection output; the kernels take row strides, so nothing is copied.
         q = q.view(tokens, self.num_heads, self.head_dim)  # (tokens, q_heads, head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)  # (tokens, kv_heads, head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        q_sink = None
+        if meta.ring is not None and self.windowed and meta.ring.has_sinks:
+            # (k[:, :1]: the kernel rotates q and k together, and only this q is wanted)
+            q_sink = kernels.rotary_embedding(q, k[:, :1], sink_cos_sin)[0]
         q, k = kernels.rotary_embedding(q, k, cos_sin)
-        out = paged_attention(q, k, v, kv, meta, self.scale)
+        if meta.ring is not None and self.windowed and q_sink is None:
+            q_sink = q  # no sinks in this batch: the kernels score none with it
+        out = paged_attention(q, k, v, kv, meta, self.scale, q_sink)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -113,9 +138,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -127,6 +152,7 @@ class DecoderLayer(nn.Module):
         cos_sin: torch.Tensor,
         kv: LayerKV,
         meta: AttentionMetadata,
+        sink_cos_sin: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x``: the previous layer's MLP output (or the embeddings); ``residual``: the stream before it.
 
@@ -134,7 +160,7 @@ class DecoderLayer(nn.Module):
         caller's next norm adds the two (``residual`` is None for layer 0).
         """
         hidden, residual = self.input_layernorm(x, residual)
-        hidden = self.self_attn(hidden, cos_sin, kv, meta)
+        hidden = self.self_attn(hidden, cos_sin, kv, meta, sink_cos_sin)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -148,7 +174,7 @@ class DecoderModel(nn.Module):
         # the meta device the loader builds on would import torch._dynamo: ~2 s of CPU at every process start
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))  # fmt: skip
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -167,10 +193,15 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """``input_ids``/``positions`` ``(tokens,)`` -> final hidden states ``(tokens, hidden)``."""
         x = self.model.embed_tokens(input_ids)
-        cos_sin = self.rope(positions)  # one lookup per step, shared by every layer
+        ring, sink_cos_sin = meta.ring, None
+        if ring is None:
+            cos_sin = self.rope(positions)  # one lookup per step, shared by every layer
+        else:
+            cos_sin = self.rope.at(positions, ring.max_position)
+            sink_cos_sin = self.rope.at(ring.sink_positions, ring.max_position) if ring.has_sinks else None
         residual = None
         for layer, kv in zip(self.model.layers, kv_layers, strict=True):
-            x, residual = layer(x, residual, cos_sin, kv, meta)
+            x, residual = layer(x, residual, cos_sin, kv, meta, sink_cos_sin)
         hidden, _ = self.model.norm(x, residual)
         return hidden
 

@@ -22,6 +22,7 @@ from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from kvstore import KVCache, KVCacheSpec
+from kvstore.ring import RingSpec
 from kvstore.shared_pool import create_shared_pool
 
 _INITIAL_STAGING_BYTES = 1 << 20  # grows on demand
@@ -59,8 +60,16 @@ class ModelRunner:
             self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
         self.sampler = Sampler(model_config.vocab_size, self.device, config.seed)
         # The longest sequence the engine admits: the model's context or the config's cap, and within the pool,
-        # since a sequence must fit in it on its own or preemption could never make room for it.
-        self.max_model_len = min(config.max_model_len or model_config.max_context, num_blocks * config.block_size)
+        # since a sequence must fit in it on its own or preemption could never make room for it (a model that
+        # slides in every layer holds a ring of blocks whatever the length: see ``model_ring``).
+        self.model_ring = None
+        if model_config.sliding_window is not None:
+            self.model_ring = RingSpec(0, model_config.sliding_window, config.block_size,
+                                       recycles=model_config.slides_every_layer)  # fmt: skip
+        pool_tokens = num_blocks * config.block_size
+        if self.model_ring is not None and self.model_ring.max_blocks <= num_blocks:
+            pool_tokens = model_config.max_context
+        self.max_model_len = min(config.max_model_len or model_config.max_context, pool_tokens)
         self.staging = StagingBuffer(_INITIAL_STAGING_BYTES, self.device)
         self._tokens_host = self._pinned_tokens(config.max_num_seqs)  # sampled ids come back here
         self.decode_inputs: PaddedDecodeInputs | None = None
@@ -105,7 +114,9 @@ class ModelRunner:
         """(logits of the sampling rows, their batch indices) of a decode-only batch padded to its bucket;
         None when the batch must run eagerly instead."""
         inputs = self.decode_inputs
-        bucket = None if inputs is None else inputs.bucket_for(len(seqs))
+        if inputs is None or any(s.ring is not None for s in seqs):  # windows run eagerly (``stage_step``)
+            return None
+        bucket = inputs.bucket_for(len(seqs))
         if bucket is None:
             return None
         if not inputs.stage(bucket, seqs, self.block_size):

@@ -60,7 +60,12 @@ PRESETS["qwen2-tiny"] = {  # Qwen2's layout, shrunk; no special token ids (those
     **{key: value for key, value in PRESETS["qwen2-0.5b"].items() if not key.endswith("token_id")},
     **dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            max_position_embeddings=4096),
-}
+}  # fmt: skip
+# Mistral v0.1's layout (a sliding window in every layer), shrunk: the window is what it tests
+PRESETS["mistral-tiny"] = dict(model_type="mistral", vocab_size=1024, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5,
+                               sliding_window=16, tie_word_embeddings=False)  # fmt: skip
 
 
 def write_random_model(
@@ -71,11 +76,13 @@ def write_random_model(
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
     device: str | torch.device = "cpu",
+    overrides: dict | None = None,
 ) -> Path:
     """Write a safetensors model directory shaped like preset ``like`` with seeded random weights.
 
     ``num_layers`` overrides the depth (tests use a few layers; every layer has
-    the real width). Matrices are drawn with transformers' own initialisation on
+    the real width); ``overrides`` sets any other config.json field (a sliding window, a shorter context).
+    Matrices are drawn with transformers' own initialisation on
     ``device`` (a GPU makes the draw fast); norm weights ~ N(1, 0.1) and biases
     ~ N(0, 0.1), so that neither is a no-op. Saved in ``dtype``.
     """
@@ -88,6 +95,7 @@ def write_random_model(
     settings = dict(PRESETS[like])
     if num_layers is not None:
         settings["num_hidden_layers"] = num_layers
+    settings.update(overrides or {})
     config = AutoConfig.for_model(**settings)
     torch.manual_seed(seed)
     with torch.device(device):

@@ -23,6 +23,9 @@ class SamplingParams:
     output before the matched string; ``stop_token_ids`` and EOS end it after
     the token (the token id is kept in the output); ``ignore_eos`` keeps going
     past EOS until ``max_tokens``. Every float is finite once ``validate`` has passed.
+
+    ``streaming_window`` and ``streaming_sinks`` (StreamingLLM, ``kvstore.ring``) override the engine's
+    options of the same names for this request; None keeps the engine's (``streaming_window=0``: off).
     """
 
     temperature: float = 1.0
@@ -35,6 +38,8 @@ class SamplingParams:
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    streaming_window: int | None = None
+    streaming_sinks: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +70,10 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids[:5]}")
+        for name in ("streaming_window", "streaming_sinks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if vocab_size is not None:
             check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
 

@@ -5,7 +5,8 @@ go first, in the order they were admitted: a decoding sequence takes one
 token, a sequence still in its prompt takes the next chunk of it (chunked
 prefill). When the pool has no block for a running sequence, the most recently
 admitted one is preempted: its blocks are freed and it goes back to the front
-of the waiting queue, to be recomputed later.
+of the waiting queue, to be recomputed later, or loaded back when the KV
+connector copied its KV out first (swap preemption, ``engine.tier_connector``).
 
 Admission (the scheduler's alone: no caller keeps a queue of its own): waiting
 sequences are considered in arrival order while budget and sequence slots
@@ -93,7 +94,7 @@ class Scheduler:
                 i = len(running)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = seq.num_tokens_to_compute(seq.num_computed_tokens, budget)
             while not self._allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -116,11 +117,11 @@ class Scheduler:
         passed: list[Sequence] = []
         while self.waiting and len(passed) < LOOKAHEAD and self._num_slots_used() < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.block_manager.match_prefix(seq.token_ids)
+            cached = self.block_manager.match_prefix(seq.token_ids, seq.ring)
             num_cached = len(cached) * self.block_manager.block_size
-            num_external, later = self.connector.num_external_tokens(seq, num_cached)
+            num_external, later = self.connector.num_external_tokens(seq, num_cached) if _may_load(seq) else (0, False)
             num_start = num_cached + num_external
-            n = 0 if later else min(seq.num_tokens - num_start, budget)
+            n = 0 if later else seq.num_tokens_to_compute(num_start, budget)
             if not later and n == 0:
                 break  # no budget left
             if not self._allocate(seq, seq.num_tokens if later else num_start + n, cached):
@@ -172,7 +173,7 @@ class Scheduler:
         return loaded
 
     def _allocate(self, seq: Sequence, num_tokens: int, cached: list[Block] | None = None) -> bool:
-        if not self.block_manager.allocate(seq.seq_id, num_tokens, cached or ()):
+        if not self.block_manager.allocate(seq.seq_id, num_tokens, cached or (), seq.ring):
             return False
         seq.block_table = self.block_manager.block_table_array(seq.seq_id)  # O(1): a view, not a copy
         return True
@@ -182,6 +183,7 @@ class Scheduler:
         seq.block_table = self.block_manager.block_table_array(seq.seq_id)  # empty now
 
     def _preempt(self, seq: Sequence) -> None:
+        self.connector.preempt(seq)  # its KV is still in its blocks: a swap copies it out now
         self._free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -202,3 +204,9 @@ class Scheduler:
         seq.finish_reason = reason
         if not self.connector.request_finished(seq):
             self._free(seq)
+
+
+def _may_load(seq: Sequence) -> bool:
+    """Whether the KV connector may load ``seq``'s KV: connectors fill blocks by their place in the sequence,
+    which a ring that wraps (``kvstore.ring``) does not keep, so such a sequence computes its own."""
+    return seq.ring is None or seq.num_tokens <= seq.ring.num_exact_tokens

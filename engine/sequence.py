@@ -10,6 +10,7 @@ import numpy as np
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
+from kvstore.ring import RingSpec
 
 
 class SequenceStatus(enum.Enum):
@@ -48,6 +49,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
     num_external_tokens: int = 0  # tokens the KV connector loaded from outside at the first admission
     kv_params: Any = None  # the KV connector's own data about this request; the engine never reads it
+    ring: RingSpec | None = None  # attends over sinks + a window through a ring of blocks (``kvstore.ring``)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -73,3 +75,9 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def num_tokens_to_compute(self, start: int, budget: int) -> int:
+        """Tokens to compute from position ``start`` in a step with ``budget`` tokens left: the rest of the
+        sequence within the budget, and within what its ring holds at once (``RingSpec.max_chunk``)."""
+        n = min(self.num_tokens - start, budget)
+        return n if self.ring is None else min(n, self.ring.max_chunk(start))

@@ -75,12 +75,16 @@ def paged_decode_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_sink: torch.Tensor | None = None,
+    ring: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one new token per sequence over its paged KV; see ``reference.paged_decode_attention``."""
+    """Attention of one new token per sequence over its paged KV; see ``reference.paged_decode_attention``
+    (``ring``, with ``q_sink``: over each sequence's sinks and window only)."""
     _check_int8(k_cache, k_scale, "k_cache")
     _check_int8(v_cache, v_scale, "v_cache")
     impl = _implementation("paged_decode_attention", q.device)
-    return impl(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=k_scale, v_scale=v_scale)
+    window = {} if ring is None else {"q_sink": q_sink, "ring": ring}
+    return impl(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=k_scale, v_scale=v_scale, **window)
 
 
 def paged_prefill_attention(
@@ -97,8 +101,11 @@ def paged_prefill_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     max_q_len: int | None = None,
+    q_sink: torch.Tensor | None = None,
+    ring: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed new tokens over a cached prefix; see ``reference.paged_prefill_attention``.
+    """Causal attention of packed new tokens over a cached prefix; see ``reference.paged_prefill_attention``
+    (``ring``, with ``q_sink``: over each sequence's sinks and window only).
 
     ``max_q_len``, the most new tokens of any sequence when the caller knows it, spares the Triton kernel a
     read-back to size its grid (the reference walks the lengths on the host anyway and takes no hint)."""
@@ -106,9 +113,10 @@ def paged_prefill_attention(
     _check_int8(v_cache, v_scale, "v_cache")
     impl = _implementation("paged_prefill_attention", q.device)
     hint = {"max_q_len": max_q_len} if use_triton(q.device) else {}
+    window = {} if ring is None else {"q_sink": q_sink, "ring": ring}
     return impl(
         q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-        k_scale=k_scale, v_scale=v_scale, **hint,
+        k_scale=k_scale, v_scale=v_scale, **hint, **window,
     )  # fmt: skip
 
 

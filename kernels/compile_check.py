@@ -99,10 +99,15 @@ def _variants(dtype: torch.dtype):
             tag = f"{num_q_heads}:{num_kv_heads} d{head_dim} {kv_cache_dtype}"
             decode = decode_attention.paged_decode_attention
             decode_args = (q[:2], k_cache, v_cache, block_tables, seq_lens, 0.1)
+            ring = torch.tensor([[4, 64, 1, 6], [0, 1 << 30, 0, 1 << 30]], dtype=torch.int32)  # sinks + window, full
             for num_splits in (4, 1):  # split-K + reduction, and the single-split path that writes directly
                 yield f"decode {num_splits} split(s) {tag}", decode, decode_args, quant | {"num_splits": num_splits}
+                yield f"decode ring {num_splits} split(s) {tag}", decode, decode_args, quant | {
+                    "num_splits": num_splits, "q_sink": q[:2], "ring": ring}  # fmt: skip
             prefill_args = (q, k, k, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 0.1)
             yield f"prefill {tag}", prefill_attention.paged_prefill_attention, prefill_args, quant
+            yield f"prefill ring {tag}", prefill_attention.paged_prefill_attention, prefill_args, quant | {
+                "q_sink": q, "ring": ring}  # fmt: skip
             store_args = (k, k, k_cache, v_cache, torch.zeros(100, dtype=torch.int64))
             yield f"store {tag}", store_kv.store_kvcache, store_args, quant
     for hidden, intermediate, (num_q_heads, num_kv_heads, head_dim) in ((896, 4864, (14, 2, 64)),

@@ -19,6 +19,11 @@ compiled in).
 Numerics: fp32 accumulation, scores in the log2 domain (``exp2``), INT8
 caches dequantized in registers (see ``tiles.attend_tile``). A sequence of
 length 0 produces zeros.
+
+Windows (``ring``, ``RING``): the splits cut the sequence's window instead of
+its whole length, and split 0 first folds in the sinks, scored with
+``q_sink``; blocks are addressed through the ring (``tiles.ring_paged_slots``).
+Without ``ring`` the kernel compiles exactly as before.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tiles import LOG2E, attend_paged, dot_precision, padded
+from kernels.tiles import LOG2E, attend_paged, attend_ring_paged, dot_precision, padded
 
 # Tile configs: (tokens per tile, num_warps, num_stages), keyed by (head_dim padded, KV cache dtype), where the
 # KV cache dtype is the engine's name for it: "auto" (the model's 16-bit dtype), "int8_v" or "int8".
@@ -140,6 +145,10 @@ def _decode_split_kernel(
     stride_vs_token,
     stride_vs_head,
     stride_bt_seq,
+    q_sink_ptr,  # like q, rotated at each query's position inside its cache (RING only)
+    ring_ptr,  # [num_seqs, 4] int32: sinks, window, sink blocks, ring blocks (RING only)
+    stride_qs_seq,
+    stride_qs_head,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -150,6 +159,7 @@ def _decode_split_kernel(
     K_INT8: tl.constexpr,
     V_INT8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    RING: tl.constexpr,  # attend over sinks + window through a ring of blocks
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -157,8 +167,17 @@ def _decode_split_kernel(
     num_q_heads = tl.num_programs(1) * GROUP
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    if RING:
+        num_sinks = tl.load(ring_ptr + seq * 4)
+        window = tl.load(ring_ptr + seq * 4 + 1)
+        sink_blocks = tl.load(ring_ptr + seq * 4 + 2)
+        ring_blocks = tl.load(ring_ptr + seq * 4 + 3)
+        window_start = tl.minimum(tl.maximum(num_sinks, seq_len - window), seq_len)
+        split_len = tl.cdiv(tl.cdiv(seq_len - window_start, num_splits), BLOCK_N) * BLOCK_N
+        start = window_start + split * split_len
+    else:
+        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * split_len
     end = tl.minimum(start + split_len, seq_len)  # start >= end: empty split
 
     rows = tl.arange(0, GROUP_PAD)
@@ -172,13 +191,34 @@ def _decode_split_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    m_i, l_i, acc = attend_paged(
-        q, m_i, l_i, acc, start, end, block_tables_ptr + seq * stride_bt_seq,
-        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, dims, dim_ok,
-        stride_k_block, stride_k_token, stride_k_head, stride_v_block, stride_v_token, stride_v_head,
-        stride_ks_block, stride_ks_token, stride_ks_head, stride_vs_block, stride_vs_token, stride_vs_head,
-        qk_scale, BLOCK_SIZE, BLOCK_N, K_INT8, V_INT8, DOT_PRECISION,
-    )  # fmt: skip
+    if RING:
+        qs_offsets = seq * stride_qs_seq + q_heads[:, None] * stride_qs_head + dims[None, :]
+        q_sink = tl.load(q_sink_ptr + qs_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        every_key = tl.zeros([GROUP_PAD], tl.int32)
+        sinks_end = tl.where(split == 0, tl.minimum(num_sinks, seq_len), 0)  # split 0 takes the sinks
+        table_row = block_tables_ptr + seq * stride_bt_seq
+        m_i, l_i, acc = attend_ring_paged(
+            q_sink, m_i, l_i, acc, 0, sinks_end, every_key, table_row, sink_blocks, ring_blocks,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, dims, dim_ok,
+            stride_k_block, stride_k_token, stride_k_head, stride_v_block, stride_v_token, stride_v_head,
+            stride_ks_block, stride_ks_token, stride_ks_head, stride_vs_block, stride_vs_token, stride_vs_head,
+            qk_scale, BLOCK_SIZE, BLOCK_N, K_INT8, V_INT8, DOT_PRECISION,
+        )  # fmt: skip
+        m_i, l_i, acc = attend_ring_paged(
+            q, m_i, l_i, acc, start, end, every_key, table_row, sink_blocks, ring_blocks,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, dims, dim_ok,
+            stride_k_block, stride_k_token, stride_k_head, stride_v_block, stride_v_token, stride_v_head,
+            stride_ks_block, stride_ks_token, stride_ks_head, stride_vs_block, stride_vs_token, stride_vs_head,
+            qk_scale, BLOCK_SIZE, BLOCK_N, K_INT8, V_INT8, DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        m_i, l_i, acc = attend_paged(
+            q, m_i, l_i, acc, start, end, block_tables_ptr + seq * stride_bt_seq,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, dims, dim_ok,
+            stride_k_block, stride_k_token, stride_k_head, stride_v_block, stride_v_token, stride_v_head,
+            stride_ks_block, stride_ks_token, stride_ks_head, stride_vs_block, stride_vs_token, stride_vs_head,
+            qk_scale, BLOCK_SIZE, BLOCK_N, K_INT8, V_INT8, DOT_PRECISION,
+        )  # fmt: skip
 
     if SINGLE_SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -234,10 +274,12 @@ def paged_decode_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_sink: torch.Tensor | None = None,
+    ring: torch.Tensor | None = None,
     num_splits: int | None = None,
     tile_config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """Triton twin of ``reference.paged_decode_attention``.
+    """Triton twin of ``reference.paged_decode_attention`` (``ring`` and ``q_sink``: windows).
 
     ``num_splits`` and ``tile_config`` = (tokens per tile, num_warps,
     num_stages) override the heuristic and ``default_tile_config`` (tests, the bench's sweep).
@@ -251,6 +293,10 @@ def paged_decode_attention(
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if any(t.stride(-1) != 1 for t in (q, k_cache, v_cache, block_tables)):
         raise ValueError("q, k_cache, v_cache and block_tables need a contiguous last dimension")
+    if ring is not None and (q_sink is None or q_sink.shape != q.shape or q_sink.stride(-1) != 1
+                             or ring.shape != (num_seqs, 4) or not ring.is_contiguous()):  # fmt: skip
+        raise ValueError("a ring needs q_sink shaped like q (contiguous last dimension) and a contiguous "
+                         "(num_seqs, 4) ring")  # fmt: skip
     group = num_q_heads // num_kv_heads
     head_dim_pad = padded(head_dim)
     tile_config = tile_config or default_tile_config(head_dim, kv_cache_dtype(k_scale, v_scale), q.device)
@@ -280,10 +326,12 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], *ks_strides, *vs_strides,
         block_tables.stride(0),
+        q_sink if ring is not None else q, ring if ring is not None else seq_lens,  # placeholders without a ring
+        *(q_sink.stride()[:2] if ring is not None else (0, 0)),
         GROUP=group, GROUP_PAD=padded(group), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=tile_tokens, SINGLE_SPLIT=num_splits == 1,
         K_INT8=k_scale is not None, V_INT8=v_scale is not None, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        RING=ring is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](

@@ -14,6 +14,13 @@ Two passes over keys, one online softmax:
 
 Every valid row sees key 0 in the first tile it processes, so the running max
 is finite from then on and no NaN can appear.
+
+Windows (``ring``, ``RING``): row ``t`` sees the sinks (positions below
+``S``, scored with ``q_sink``) and positions ``t-W+1..t`` (scored with
+``q``). The passes become: cached sinks, the cached part of the tile's windows
+(through the ring of blocks), new tokens that are sinks, new tokens inside the
+windows. A row may see nothing in a whole tile there, so those passes use
+``tiles.attend_tile_guarded``. Without ``ring`` the kernel compiles exactly as before.
 """
 
 from __future__ import annotations
@@ -22,7 +29,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tiles import LOG2E, attend_paged, attend_tile, dot_precision, padded
+from kernels.tiles import (
+    LOG2E,
+    attend_paged,
+    attend_ring_paged,
+    attend_tile,
+    attend_tile_guarded,
+    dot_precision,
+    padded,
+)
 
 # head_dim (padded) -> (BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages). Not measured; chosen so
 # that Triton 3.9 compiles every variant for sm_80 and sm_90 without register spills (kernels.compile_check).
@@ -65,6 +80,10 @@ def _prefill_kernel(
     stride_vs_token,
     stride_vs_head,
     stride_bt_seq,
+    q_sink_ptr,  # like q, rotated at each query's position inside its cache (RING only)
+    ring_ptr,  # [num_seqs, 4] int32: sinks, window, sink blocks, ring blocks (RING only)
+    stride_qs_token,
+    stride_qs_head,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -74,6 +93,7 @@ def _prefill_kernel(
     K_INT8: tl.constexpr,
     V_INT8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    RING: tl.constexpr,  # attend over sinks + window through a ring of blocks
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -98,31 +118,92 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
 
-    # 1) Cached prefix, seen by every row.
-    m_i, l_i, acc = attend_paged(
-        q, m_i, l_i, acc, 0, num_cached, block_tables_ptr + seq * stride_bt_seq,
-        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, dims, dim_ok,
-        stride_kc_block, stride_kc_token, stride_kc_head, stride_vc_block, stride_vc_token, stride_vc_head,
-        stride_ks_block, stride_ks_token, stride_ks_head, stride_vs_block, stride_vs_token, stride_vs_head,
-        qk_scale, BLOCK_SIZE, BLOCK_N, K_INT8, V_INT8, DOT_PRECISION,
-    )  # fmt: skip
+    last_token = tl.minimum(q_len - 1, (first_row + BLOCK_M - 1) // GROUP)  # the last new token these rows see
+    if RING:
+        num_sinks = tl.load(ring_ptr + seq * 4)
+        window = tl.load(ring_ptr + seq * 4 + 1)
+        sink_blocks = tl.load(ring_ptr + seq * 4 + 2)
+        ring_blocks = tl.load(ring_ptr + seq * 4 + 3)
+        qs_offsets = (q_start + row_token)[:, None] * stride_qs_token + q_heads[:, None] * stride_qs_head
+        q_sink = tl.load(q_sink_ptr + qs_offsets + dims[None, :], mask=row_mask, other=0.0)
+        table_row = block_tables_ptr + seq * stride_bt_seq
+        first_token = first_row // GROUP
+        # 1a) Cached sinks, seen by every row.
+        m_i, l_i, acc = attend_ring_paged(
+            q_sink, m_i, l_i, acc, 0, tl.minimum(num_sinks, num_cached), tl.zeros([BLOCK_M], tl.int32), table_row,
+            sink_blocks, ring_blocks, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, dims, dim_ok,
+            stride_kc_block, stride_kc_token, stride_kc_head, stride_vc_block, stride_vc_token, stride_vc_head,
+            stride_ks_block, stride_ks_token, stride_ks_head, stride_vs_block, stride_vs_token, stride_vs_head,
+            qk_scale, BLOCK_SIZE, BLOCK_N, K_INT8, V_INT8, DOT_PRECISION,
+        )  # fmt: skip
+        # 1b) The cached part of the windows: row t sees positions from t - W + 1.
+        cached_start = tl.minimum(tl.maximum(num_sinks, num_cached + first_token - window + 1), num_cached)
+        m_i, l_i, acc = attend_ring_paged(
+            q, m_i, l_i, acc, cached_start, num_cached, num_cached + row_token - window + 1, table_row,
+            sink_blocks, ring_blocks, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, dims, dim_ok,
+            stride_kc_block, stride_kc_token, stride_kc_head, stride_vc_block, stride_vc_token, stride_vc_head,
+            stride_ks_block, stride_ks_token, stride_ks_head, stride_vs_block, stride_vs_token, stride_vs_head,
+            qk_scale, BLOCK_SIZE, BLOCK_N, K_INT8, V_INT8, DOT_PRECISION,
+        )  # fmt: skip
+        # 2a) New tokens that are sinks (new token j is at position num_cached + j), causally, with q_sink.
+        new_sinks = tl.minimum(tl.maximum(num_sinks - num_cached, 0), last_token + 1)
+        for tile_start in tl.range(0, new_sinks, BLOCK_N):
+            keys = tile_start + tl.arange(0, BLOCK_N)
+            key_ok = keys < new_sinks
+            k, v = _load_new(k_ptr, v_ptr, q_start, keys, key_ok, kv_head, dims, dim_ok,
+                             stride_k_token, stride_k_head, stride_v_token, stride_v_head)  # fmt: skip
+            visible = key_ok[None, :] & (keys[None, :] <= row_token[:, None])
+            m_i, l_i, acc = attend_tile_guarded(q_sink, k, v, 1.0, 1.0, visible, m_i, l_i, acc, qk_scale,
+                                                False, False, DOT_PRECISION)  # fmt: skip
+        # 2b) New tokens inside the windows, causally, with q.
+        for tile_start in tl.range(tl.maximum(new_sinks, first_token - window + 1), last_token + 1, BLOCK_N):
+            keys = tile_start + tl.arange(0, BLOCK_N)
+            key_ok = keys < q_len
+            k, v = _load_new(k_ptr, v_ptr, q_start, keys, key_ok, kv_head, dims, dim_ok,
+                             stride_k_token, stride_k_head, stride_v_token, stride_v_head)  # fmt: skip
+            visible = key_ok[None, :] & (keys[None, :] <= row_token[:, None])
+            visible = visible & (keys[None, :] > row_token[:, None] - window) & (keys[None, :] >= new_sinks)
+            m_i, l_i, acc = attend_tile_guarded(q, k, v, 1.0, 1.0, visible, m_i, l_i, acc, qk_scale,
+                                                False, False, DOT_PRECISION)  # fmt: skip
+    else:
+        # 1) Cached prefix, seen by every row.
+        m_i, l_i, acc = attend_paged(
+            q, m_i, l_i, acc, 0, num_cached, block_tables_ptr + seq * stride_bt_seq,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, dims, dim_ok,
+            stride_kc_block, stride_kc_token, stride_kc_head, stride_vc_block, stride_vc_token, stride_vc_head,
+            stride_ks_block, stride_ks_token, stride_ks_head, stride_vs_block, stride_vs_token, stride_vs_head,
+            qk_scale, BLOCK_SIZE, BLOCK_N, K_INT8, V_INT8, DOT_PRECISION,
+        )  # fmt: skip
 
-    # 2) The new tokens, causally; this tile's rows reach new token `last_token` at most.
-    last_token = tl.minimum(q_len - 1, (first_row + BLOCK_M - 1) // GROUP)
-    for tile_start in tl.range(0, last_token + 1, BLOCK_N):
-        keys = tile_start + tl.arange(0, BLOCK_N)
-        key_ok = keys < q_len
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k_offsets = (q_start + keys)[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :]
-        v_offsets = (q_start + keys)[:, None] * stride_v_token + kv_head * stride_v_head + dims[None, :]
-        k = tl.load(k_ptr + k_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + v_offsets, mask=kv_mask, other=0.0)
-        visible = key_ok[None, :] & (keys[None, :] <= row_token[:, None])
-        m_i, l_i, acc = attend_tile(q, k, v, 1.0, 1.0, visible, m_i, l_i, acc, qk_scale, False, False, DOT_PRECISION)
+        # 2) The new tokens, causally; this tile's rows reach new token `last_token` at most.
+        for tile_start in tl.range(0, last_token + 1, BLOCK_N):
+            keys = tile_start + tl.arange(0, BLOCK_N)
+            key_ok = keys < q_len
+            kv_mask = key_ok[:, None] & dim_ok[None, :]
+            k_offsets = (q_start + keys)[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :]
+            v_offsets = (q_start + keys)[:, None] * stride_v_token + kv_head * stride_v_head + dims[None, :]
+            k = tl.load(k_ptr + k_offsets, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + v_offsets, mask=kv_mask, other=0.0)
+            visible = key_ok[None, :] & (keys[None, :] <= row_token[:, None])
+            m_i, l_i, acc = attend_tile(
+                q, k, v, 1.0, 1.0, visible, m_i, l_i, acc, qk_scale, False, False, DOT_PRECISION
+            )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_offsets = (q_start + row_token)[:, None] * stride_o_token + q_heads[:, None] * stride_o_head + dims[None, :]
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _load_new(k_ptr, v_ptr, q_start, keys, key_ok, kv_head, dims, dim_ok,
+              stride_k_token, stride_k_head, stride_v_token, stride_v_head):  # fmt: skip
+    """The packed new tokens' keys and values ``[N, HEAD_DIM_PAD]`` of one KV head (masked rows are 0)."""
+    kv_mask = key_ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_ptr + (q_start + keys)[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :],
+                mask=kv_mask, other=0.0)  # fmt: skip
+    v = tl.load(v_ptr + (q_start + keys)[:, None] * stride_v_token + kv_head * stride_v_head + dims[None, :],
+                mask=kv_mask, other=0.0)  # fmt: skip
+    return k, v
 
 
 def paged_prefill_attention(
@@ -138,9 +219,11 @@ def paged_prefill_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_sink: torch.Tensor | None = None,
+    ring: torch.Tensor | None = None,
     max_q_len: int | None = None,
 ) -> torch.Tensor:
-    """Triton twin of ``reference.paged_prefill_attention``.
+    """Triton twin of ``reference.paged_prefill_attention`` (``ring`` and ``q_sink``: windows).
 
     ``max_q_len`` (at least the most new tokens of any sequence) sizes the
     grid; without it the longest new-token count is read back to the host, one
@@ -152,6 +235,10 @@ def paged_prefill_attention(
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if any(t.stride(-1) != 1 for t in (q, k, v, k_cache, v_cache, block_tables)):
         raise ValueError("q, k, v, the caches and block_tables need a contiguous last dimension")
+    if ring is not None and (q_sink is None or q_sink.shape != q.shape or q_sink.stride(-1) != 1
+                             or ring.shape != (seq_lens.shape[0], 4) or not ring.is_contiguous()):  # fmt: skip
+        raise ValueError("a ring needs q_sink shaped like q (contiguous last dimension) and a contiguous "
+                         "(num_seqs, 4) ring")  # fmt: skip
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -173,9 +260,11 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], *ks_strides, *vs_strides,
         block_tables.stride(0),
+        q_sink if ring is not None else q, ring if ring is not None else seq_lens,  # placeholders without a ring
+        *(q_sink.stride()[:2] if ring is not None else (0, 0)),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n,
         K_INT8=k_scale is not None, V_INT8=v_scale is not None, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        RING=ring is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -13,6 +13,13 @@ and they are what runs on the CPU. Layouts (shared with the Triton kernels):
   sequence's last block are never read (their value does not matter).
 * ``slot_mapping``: int ``[num_tokens]``, ``block_id * block_size + offset``;
   ``-1`` means "do not store this token".
+* ``ring`` (windowed attention only): int32 ``[num_seqs, 4]``, per sequence ``(num_sinks S, window W,
+  sink_blocks, ring_blocks)``. A query at position ``t`` sees keys ``0..S-1`` (the sinks, scored with
+  ``q_sink``: the same query rotated at its position inside the cache) and ``t-W+1..t`` (scored with ``q``),
+  nothing else; logical block ``j`` of the sequence is table column ``j`` below ``sink_blocks`` and
+  ``sink_blocks + (j - sink_blocks) % ring_blocks`` from there (``kvstore.ring``). ``FULL_RING_ROW`` sees
+  every key through the plain table: a sequence without a window in a batch that has windowed ones, computed
+  exactly as without ``ring``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ import torch
 import torch.nn.functional as F
 
 INT8_MAX = 127.0
+UNBOUNDED = 1 << 30  # a window or a ring that never ends
+RING_SINKS, RING_WINDOW, RING_SINK_BLOCKS, RING_BLOCKS = range(4)  # the columns of ``ring``
+FULL_RING_ROW = (0, UNBOUNDED, 0, UNBOUNDED)
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,8 +87,13 @@ def paged_decode_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_sink: torch.Tensor | None = None,
+    ring: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its whole paged KV: ``q [num_seqs, num_q_heads, head_dim]``.
+
+    With ``ring`` (and ``q_sink``, shaped like ``q``), each sequence attends over its sinks and window only
+    (see the module's docstring); sequences whose row is ``FULL_RING_ROW`` take the path below unchanged.
 
     Sequences whose lengths lie within a factor of two of each other (``(2**(c-1), 2**c]``) are attended
     together: one gather of their blocks, padded to the longest, and one SDPA call (masked when lengths
@@ -86,6 +101,8 @@ def paged_decode_attention(
     gather and one call (a group is split only to keep one gather under ``_MAX_GATHER_ELEMENTS``). A
     sequence of length 0 (batch padding) gets a zero output.
     """
+    if ring is not None:
+        return _ring_decode(q, q_sink, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, ring)
     lens = seq_lens.to(q.device).long()
     groups = _length_groups(lens, k_cache.shape[2] * k_cache.shape[3])
     if len(groups) == 1 and groups[0] is None:
@@ -169,6 +186,8 @@ def paged_prefill_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_sink: torch.Tensor | None = None,
+    ring: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over a cached prefix plus themselves.
 
@@ -176,17 +195,39 @@ def paged_prefill_attention(
     ``q``/``k``/``v`` (``[num_tokens, heads, head_dim]``); its total length
     after this step is ``seq_lens[i]``, so its first ``seq_lens[i] - q_len``
     tokens are read from the paged cache and the new ones from ``k``/``v``.
+    With ``ring`` (and ``q_sink``) a sequence attends over its sinks and window only (module docstring).
     """
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     bounds = cu_seqlens_q.tolist()
     lengths = seq_lens.tolist()
+    rings = None if ring is None else ring.tolist()
     for i, total in enumerate(lengths):
         start, end = bounds[i], bounds[i + 1]
         num_new = end - start
         if num_new == 0:
             continue
         num_cached = total - num_new
+        if rings is not None and tuple(rings[i]) != FULL_RING_ROW:
+            num_sinks, window, sink_blocks, ring_blocks = rings[i]
+            cached = _visible(num_cached, num_cached, num_sinks, window)  # the cached keys any row reads
+            keys = _gather_positions(k_cache, k_scale, block_tables[i], cached, sink_blocks, ring_blocks, q.dtype)
+            values = _gather_positions(v_cache, v_scale, block_tables[i], cached, sink_blocks, ring_blocks, q.dtype)
+            # keys in order: cached sinks, new sinks, cached window, new window (sinks first for _attend_window)
+            new = torch.arange(num_cached, total)
+            key_positions = torch.cat([cached, new])
+            order = torch.argsort((key_positions >= num_sinks).int(), stable=True)
+            key_positions = key_positions[order].to(q.device)
+            queries = new.to(q.device)[:, None]
+            visible = (key_positions[None, :] <= queries) & (
+                (key_positions[None, :] < num_sinks) | (key_positions[None, :] > queries - window)
+            )  # fmt: skip
+            out[start:end] = _attend_window(
+                q[start:end], q_sink[start:end], torch.cat([keys, k[start:end]])[order.to(q.device)],
+                torch.cat([values, v[start:end]])[order.to(q.device)], int((key_positions < num_sinks).sum()), scale,
+                visible,
+            )  # fmt: skip
+            continue
         keys, values = k[start:end], v[start:end]
         if num_cached > 0:
             blocks = block_tables[i, : (num_cached + block_size - 1) // block_size].long()
@@ -208,6 +249,71 @@ def paged_prefill_attention(
         )
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+def _ring_decode(q, q_sink, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, ring):
+    """``paged_decode_attention`` with ``ring``: plain rows through the path without it, the others one by one."""
+    rings, lengths = ring.tolist(), seq_lens.tolist()
+    plain = [i for i, row in enumerate(rings) if tuple(row) == FULL_RING_ROW]
+    out = torch.zeros_like(q)
+    if plain:
+        rows = torch.tensor(plain, device=q.device)
+        out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale,
+                                           k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    for i, (num_sinks, window, sink_blocks, ring_blocks) in enumerate(rings):
+        length = lengths[i]
+        if tuple(rings[i]) == FULL_RING_ROW or length == 0:
+            continue
+        positions = _visible(length - 1, length, num_sinks, window)  # every one of them visible to the query
+        keys = _gather_positions(k_cache, k_scale, block_tables[i], positions, sink_blocks, ring_blocks, q.dtype)
+        values = _gather_positions(v_cache, v_scale, block_tables[i], positions, sink_blocks, ring_blocks, q.dtype)
+        out[i : i + 1] = _attend_window(q[i : i + 1], q_sink[i : i + 1], keys, values, min(num_sinks, length),
+                                        scale)  # fmt: skip
+    return out
+
+
+def _visible(first_query: int, length: int, num_sinks: int, window: int) -> torch.Tensor:
+    """Positions below ``length`` that a query at ``first_query`` or later may see: the sinks, then what is
+    inside the first query's window (int64, ascending)."""
+    sinks = torch.arange(min(num_sinks, length))
+    recent = torch.arange(min(max(num_sinks, first_query - window + 1), length), length)
+    return torch.cat([sinks, recent])
+
+
+def _gather_positions(cache, scale, table_row, positions, sink_blocks, ring_blocks, dtype) -> torch.Tensor:
+    """Tokens at logical ``positions (n,)`` of one sequence whose blocks form a ring: ``[n, kv_heads, dim]``."""
+    block_size = cache.shape[1]
+    positions = positions.to(cache.device)
+    logical = positions // block_size
+    columns = torch.where(logical < sink_blocks, logical, sink_blocks + (logical - sink_blocks) % ring_blocks)
+    slots = table_row.to(cache.device)[columns].long() * block_size + positions % block_size
+    values = cache.view(-1, *cache.shape[2:]).index_select(0, slots)
+    token_scale = None if scale is None else scale.view(-1, scale.shape[-1]).index_select(0, slots)
+    return _dequant(values, token_scale, dtype)
+
+
+def _attend_window(q, q_sink, keys, values, num_sink_keys, scale, visible=None):
+    """Queries ``q``/``q_sink`` ``(n, q_heads, dim)`` over ``keys``/``values`` ``(k, kv_heads, dim)``, whose first
+    ``num_sink_keys`` are sinks (scored with ``q_sink``) and the rest window keys (scored with ``q``);
+    ``visible (n, k)`` masks keys per query (None: all visible). A row that sees nothing gets zeros."""
+    n, num_q_heads, dim = q.shape
+    num_kv_heads = keys.shape[1]
+    group = num_q_heads // num_kv_heads
+
+    def rows(x):  # (n, q_heads, dim) -> (kv_heads, n * group, dim): a KV head's queries as rows
+        return x.float().view(n, num_kv_heads, group, dim).transpose(0, 1).reshape(num_kv_heads, n * group, dim)
+
+    k = keys.float().transpose(0, 1)  # (kv_heads, k, dim)
+    scores = torch.cat([torch.bmm(rows(q_sink), k[:, :num_sink_keys].transpose(1, 2)),
+                        torch.bmm(rows(q), k[:, num_sink_keys:].transpose(1, 2))], dim=-1) * scale  # fmt: skip
+    scores = scores.view(num_kv_heads, n, group, -1)  # (kv_heads, n, group, k)
+    if visible is not None:
+        scores = scores.masked_fill(~visible[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if visible is not None:
+        probs = probs.nan_to_num(0.0)  # a row with no visible key: all -inf, NaN -> 0
+    out = torch.bmm(probs.view(num_kv_heads, n * group, -1), values.float().transpose(0, 1))  # (kv, n * group, dim)
+    return out.view(num_kv_heads, n, group, dim).transpose(0, 1).reshape(n, num_q_heads, dim).to(q.dtype)
 
 
 def add_rms_norm(

@@ -7,27 +7,33 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstore.block_pool import Block, BlockPool
+from kvstore.block_pool import Block, BlockPool, Evicted
 from kvstore.prefix_hash import block_hashes
+from kvstore.ring import RingSpec, table_columns
 
 
-def batch_slots(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+def batch_slots(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int,
+                rings: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
     """Pool slots ``(tokens,)`` int64 of tokens at ``positions[i]`` of the sequence whose blocks are
-    ``block_tables[rows[i]]`` (``block_tables`` ``(seqs, width)``).
+    ``block_tables[rows[i]]`` (``block_tables`` ``(seqs, width)``); with ``rings`` ``(tokens, 4)``, each
+    token's sequence's ring row (``kvstore.ring``), through which logical blocks map to table columns.
 
     Slot ``s`` is row ``s % block_size`` of block ``s // block_size`` in the pool flattened to
     ``[num_blocks * block_size, ...]``; the one place this layout is spelled out in Python (the kernels
     index the same layout with tensors).
     """
-    blocks = block_tables[rows, positions // block_size].astype(np.int64)
+    columns = positions // block_size if rings is None else table_columns(positions, rings, block_size)
+    blocks = block_tables[rows, columns].astype(np.int64)
     return blocks * block_size + positions % block_size
 
 
-def token_slots(block_table: Sequence[int] | np.ndarray, start: int, end: int, block_size: int) -> np.ndarray:
+def token_slots(block_table: Sequence[int] | np.ndarray, start: int, end: int, block_size: int,
+                ring: RingSpec | None = None) -> np.ndarray:  # fmt: skip
     """Pool slots ``(end - start,)`` int64 of positions ``start..end-1`` of one sequence (see ``batch_slots``)."""
     positions = np.arange(start, end)
     table = np.asarray(block_table, dtype=np.int64).reshape(1, -1)
-    return batch_slots(table, np.zeros_like(positions), positions, block_size)
+    rings = None if ring is None else np.tile(np.asarray(ring.kernel_row(), dtype=np.int64), (end - start, 1))
+    return batch_slots(table, np.zeros_like(positions), positions, block_size, rings)
 
 
 _EMPTY_TABLE = np.empty(0, dtype=np.int32)
@@ -50,6 +56,8 @@ class _Holding:
     hashes: list[str] = field(default_factory=list)
     content_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    ring: RingSpec | None = None  # its blocks form a ring (``BlockManager``'s ring section)
+    num_logical_blocks: int = 0  # (a ring) logical blocks covered so far, past its table's length once it wraps
 
     def extend(self, blocks: Sequence[Block]) -> None:
         have, need = len(self.blocks), len(self.blocks) + len(blocks)
@@ -78,13 +86,14 @@ class BlockManager:
     fingerprint). Without caching nothing is hashed or matched.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = False, salt: str = "") -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = False, salt: str = "",
+                 record_evictions: bool = False) -> None:  # fmt: skip
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.salt = salt
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, record_evictions=record_evictions)
         self._holdings: dict[str, _Holding] = {}
 
     @property
@@ -100,15 +109,17 @@ class BlockManager:
 
     # -- the prefix cache -----------------------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[Block]:
+    def match_prefix(self, token_ids: Sequence[int], ring: RingSpec | None = None) -> list[Block]:
         """The cached blocks of the longest cached run of full blocks ``token_ids`` starts with, leaving at
-        least one token uncovered (its logits are needed). Changes nothing; [] without caching."""
+        least one token uncovered (its logits are needed). Changes nothing; [] without caching. A sequence with
+        a ``ring`` matches only blocks below its window's end, whose KV a full cache has too."""
         if not self.enable_caching:
             return []
         bs = self.block_size
         hits: list[Block] = []
         parent_hash, parent_id = "", 0
-        for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
+        end = len(token_ids) - 1 if ring is None else min(len(token_ids) - 1, ring.num_exact_tokens)
+        for start in range(0, end // bs * bs, bs):
             tokens = tuple(token_ids[start : start + bs])
             [parent_hash] = block_hashes(tokens, bs, self.salt, parent_hash)
             block = self.pool.lookup(parent_hash, tokens, parent_id)
@@ -125,13 +136,15 @@ class BlockManager:
             return
         holding = self._holdings.get(seq_id)
         bs = self.block_size
+        if holding is not None and holding.ring is not None:  # past its window's end, a ring's KV is its own
+            num_tokens = min(num_tokens, holding.ring.num_exact_tokens)
         if holding is None or num_tokens // bs <= len(holding.content_ids):  # no block filled since the last call
             return
         for i in range(len(holding.content_ids), num_tokens // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             [block_hash] = block_hashes(tokens, bs, self.salt, holding.hashes[-1] if i else "")
-            parent_id = holding.content_ids[-1] if i else 0
-            holding.content_ids.append(self.pool.cache(holding.blocks[i], block_hash, tokens, parent_id))
+            parent_id, parent_hash = (holding.content_ids[-1], holding.hashes[-1]) if i else (0, "")
+            holding.content_ids.append(self.pool.cache(holding.blocks[i], block_hash, tokens, parent_id, parent_hash))
             holding.hashes.append(block_hash)
 
     def num_cached_tokens(self, seq_id: str) -> int:
@@ -146,41 +159,62 @@ class BlockManager:
         """(hashes stored, hashes evicted) since the last call, netted (see ``BlockPool``)."""
         return self.pool.take_events()
 
+    def take_evicted(self) -> list[Evicted]:
+        """Cached blocks handed out again since the last call (with ``record_evictions``): a lower tier copies
+        them out before their new owners write (``BlockPool.take_evicted``)."""
+        return self.pool.take_evicted()
+
     # -- allocation -----------------------------------------------------------------------------------------
 
-    def num_new_blocks_needed(self, seq_id: str, num_tokens: int, cached: Sequence[Block] = ()) -> int:
-        """Free blocks ``allocate(seq_id, num_tokens, cached)`` would take off the free list."""
-        have = len(self._holdings[seq_id].blocks) if seq_id in self._holdings else len(cached)
+    def num_new_blocks_needed(self, seq_id: str, num_tokens: int, cached: Sequence[Block] = (),
+                              ring: RingSpec | None = None) -> int:  # fmt: skip
+        """Free blocks ``allocate(seq_id, num_tokens, cached, ring)`` would take off the free list."""
+        holding = self._holdings.get(seq_id)
+        if holding is not None and holding.ring is not None:
+            return self._ring_growth(holding, num_tokens)[0]
+        have = len(holding.blocks) if holding is not None else len(cached)
         revived = sum(1 for b in cached if b.ref_count == 0)  # cached blocks nobody uses sit in the free list
-        return max(0, self.num_blocks_for(num_tokens) - have) + revived
+        blocks = self.num_blocks_for(num_tokens) if ring is None or holding is not None else ring.num_table_blocks(
+            num_tokens)  # fmt: skip
+        return max(0, blocks - have) + revived
 
-    def can_allocate(self, seq_id: str, num_tokens: int, cached: Sequence[Block] = ()) -> bool:
-        return self.num_new_blocks_needed(seq_id, num_tokens, cached) <= self.pool.num_free_blocks
+    def can_allocate(self, seq_id: str, num_tokens: int, cached: Sequence[Block] = (),
+                     ring: RingSpec | None = None) -> bool:  # fmt: skip
+        return self.num_new_blocks_needed(seq_id, num_tokens, cached, ring) <= self.pool.num_free_blocks
 
-    def allocate(self, seq_id: str, num_tokens: int, cached: Sequence[Block] = ()) -> bool:
+    def allocate(self, seq_id: str, num_tokens: int, cached: Sequence[Block] = (),
+                 ring: RingSpec | None = None) -> bool:  # fmt: skip
         """Grow ``seq_id``'s table to cover ``num_tokens`` tokens; False (and no change) if blocks run out.
 
         ``cached`` (from ``match_prefix``, for a sequence that holds no blocks yet) become its first blocks,
-        shared with whoever else uses them; their tokens count as computed.
+        shared with whoever else uses them; their tokens count as computed. ``ring`` (for a sequence that holds
+        no blocks yet) makes its blocks a ring, which never grows past ``ring.max_blocks`` (the ring section).
         """
         holding = self._holdings.get(seq_id)
         if holding is not None:
             if cached:
                 raise ValueError(f"{seq_id!r} already holds blocks; a cached prefix is only for a new sequence")
+            if holding.ring is not None:
+                return self._grow_ring(holding, num_tokens)
             need = -(-num_tokens // self.block_size) - len(holding.blocks)
             if need > self.pool.num_free_blocks:
                 return False
             if need > 0:
                 holding.extend(self.pool.get_free_blocks(need))
             return True
-        if not self.can_allocate(seq_id, num_tokens, cached):
+        if not self.can_allocate(seq_id, num_tokens, cached, ring):
             return False
         self.pool.touch(cached)
         holding = self._holdings[seq_id] = _Holding(
             hashes=[b.block_hash for b in cached],
             content_ids=[b.content_id for b in cached],
             num_cached_tokens=len(cached) * self.block_size,
+            ring=ring,
         )
+        if ring is not None:
+            holding.extend(cached)
+            holding.num_logical_blocks = len(cached)
+            return self._grow_ring(holding, num_tokens)  # (fits: can_allocate counted it)
         holding.extend([*cached, *self.pool.get_free_blocks(max(0, self.num_blocks_for(num_tokens) - len(cached)))])
         return True
 
@@ -195,6 +229,8 @@ class BlockManager:
         ``block_table_array`` is a new view) and of those that needed blocks and got none, both ascending.
         """
         bs, holdings = self.block_size, self._holdings
+        if any(holdings[seq_id].ring is not None for seq_id in seq_ids):
+            return self._allocate_each(seq_ids, num_tokens)
         needs = []  # (index, blocks it needs) of the few that need any: one step in block_size fills a block
         for i, (seq_id, n) in enumerate(zip(seq_ids, num_tokens, strict=True)):
             have = len(holdings[seq_id].blocks)
@@ -237,3 +273,52 @@ class BlockManager:
         if new_id in self._holdings:
             raise ValueError(f"{new_id!r} already holds blocks")
         self._holdings[new_id] = self._holdings.pop(seq_id)
+
+    # -- rings (kvstore.ring) -------------------------------------------------------------------------------
+    # A ring holds at most ``ring.max_blocks`` blocks; logical block ``j`` lives at ``ring.table_index(j)``.
+    # Entering a logical block past the table reuses the slot of the oldest ring block in place. Before the
+    # slot is written over, it is made the sequence's own: a block another sequence shares is replaced by a
+    # fresh one (so the table entry changes), and a cached block it alone holds is uncached, so that no prefix
+    # lookup ever finds KV the ring has overwritten.
+
+    def _ring_growth(self, holding: _Holding, num_tokens: int) -> tuple[int, int, list[int]]:
+        """(free blocks needed, blocks to append, table indices to reuse) to cover ``num_tokens`` tokens."""
+        ring = holding.ring
+        want, have = self.num_blocks_for(num_tokens), holding.num_logical_blocks
+        if want <= have:
+            return 0, 0, []
+        append = max(0, min(want, ring.max_blocks) - len(holding.blocks))
+        reuse = sorted({ring.table_index(j) for j in range(max(have, ring.max_blocks), want)})
+        shared = sum(1 for i in reuse if i < len(holding.blocks) and holding.blocks[i].ref_count > 1)
+        return append + shared, append, reuse
+
+    def _grow_ring(self, holding: _Holding, num_tokens: int) -> bool:
+        need, append, reuse = self._ring_growth(holding, num_tokens)
+        if need > self.pool.num_free_blocks:
+            return False
+        fresh = self.pool.get_free_blocks(need)
+        holding.extend(fresh[:append])
+        replacements = iter(fresh[append:])
+        for i in reuse:
+            block = holding.blocks[i]
+            if block.ref_count > 1:
+                self.pool.release([block])
+                holding.blocks[i] = new = next(replacements)
+                holding.table[i] = new.block_id
+            else:
+                self.pool.uncache(block)
+        holding.num_logical_blocks = max(holding.num_logical_blocks, self.num_blocks_for(num_tokens))
+        return True
+
+    def _allocate_each(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+        """``allocate_decode`` one sequence at a time (a batch with rings): the same outcome, in batch order."""
+        grown, starved = [], []
+        for i, (seq_id, n) in enumerate(zip(seq_ids, num_tokens, strict=True)):
+            need = self.num_new_blocks_needed(seq_id, n)
+            if need and (starved or not self.allocate(seq_id, n)):
+                starved.append(i)
+            elif need:
+                grown.append(i)
+            else:
+                self.allocate(seq_id, n)  # a ring may reuse a slot of its own without taking a block
+        return grown, starved

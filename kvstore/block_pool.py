@@ -16,8 +16,9 @@ class Block:
     ``block_hash`` (``kvstore.prefix_hash``), the block's own ``token_ids`` and ``content_id``, a number
     unique for the life of the pool that names exactly the token prefix the KV was computed for (the chain of
     ``parent_content_id`` back to the first block, whose parent is 0, plus each block's ``token_ids``).
-    Comparing those, not only the hash, is what makes a hit exact. All four are unset (``None``/0) on a
-    block that is not cached.
+    Comparing those, not only the hash, is what makes a hit exact. ``parent_hash`` is the hash of the block
+    before it ('' for a first block): what a lower tier, which keeps no content ids, compares instead. All
+    are unset (``None``/0/'') on a block that is not cached.
     """
 
     block_id: int
@@ -26,6 +27,18 @@ class Block:
     token_ids: tuple[int, ...] | None = None
     content_id: int | None = None
     parent_content_id: int = 0
+    parent_hash: str = ""
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """A cached block that ``get_free_blocks`` handed out again: what it held, and where, until the new owner
+    writes over it (a lower tier copies it out before that; see ``BlockPool.take_evicted``)."""
+
+    block_id: int
+    block_hash: str
+    parent_hash: str
+    token_ids: tuple[int, ...]
 
 
 class BlockPool:
@@ -42,9 +55,12 @@ class BlockPool:
     Prefix events (``take_events``) are the *net* change of the set of cached hashes since the last take: a
     hash stored and evicted in between appears in neither list (likewise evicted then stored again), so
     applying the two lists in any order brings a copy of the set up to date.
+
+    With ``record_evictions`` every eviction is also recorded (``take_evicted``), for a lower tier to copy the
+    block out before its new owner writes over it.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, record_evictions: bool = False) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -52,6 +68,8 @@ class BlockPool:
         self.cached: dict[str, Block] = {}
         self._content_ids = itertools.count(1)
         self._pending: dict[str, bool] = {}  # hash -> cached now; only hashes that changed since the last take
+        self.record_evictions = record_evictions
+        self._evicted: list[Evicted] = []
 
     @property
     def num_blocks(self) -> int:
@@ -70,6 +88,8 @@ class BlockPool:
         for _ in range(n):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
+                if self.record_evictions:
+                    self._evicted.append(Evicted(block.block_id, block.block_hash, block.parent_hash, block.token_ids))
                 del self.cached[block.block_hash]
                 self._note(block.block_hash, cached=False)
                 _forget(block)
@@ -100,9 +120,11 @@ class BlockPool:
             return None
         return block
 
-    def cache(self, block: Block, block_hash: str, token_ids: tuple[int, ...], parent_content_id: int) -> int:
+    def cache(self, block: Block, block_hash: str, token_ids: tuple[int, ...], parent_content_id: int,
+              parent_hash: str = "") -> int:  # fmt: skip
         """Record that ``block`` (referenced, its KV computed) holds ``token_ids`` after the prefix
-        ``parent_content_id``; return the content id that now names that prefix.
+        ``parent_content_id`` (whose last block's hash is ``parent_hash``); return the content id that now
+        names that prefix.
 
         When an equal block is already cached, that one stays and its content id is returned (``block`` stays
         uncached: a duplicate). A different block under the same hash (a collision, or a stale chain whose
@@ -117,9 +139,23 @@ class BlockPool:
         else:
             _forget(replaced)
         block.block_hash, block.token_ids, block.parent_content_id = block_hash, token_ids, parent_content_id
+        block.parent_hash = parent_hash
         block.content_id = next(self._content_ids)
         self.cached[block_hash] = block
         return block.content_id
+
+    def uncache(self, block: Block) -> None:
+        """Make ``block`` unfindable now, as an eviction: its one owner (a ring: ``kvstore.ring``) is about to
+        write other KV into it. A no-op for a block that is not cached."""
+        if block.block_hash is None:
+            return
+        if block.ref_count != 1:
+            raise ValueError(f"block {block.block_id} has {block.ref_count} owners: only its one owner may uncache it")
+        if self.record_evictions:
+            self._evicted.append(Evicted(block.block_id, block.block_hash, block.parent_hash, block.token_ids))
+        del self.cached[block.block_hash]
+        self._note(block.block_hash, cached=False)
+        _forget(block)
 
     def take_events(self) -> tuple[list[str], list[str]]:
         """(hashes stored, hashes evicted) since the last call: the net change, see the class docstring."""
@@ -127,6 +163,11 @@ class BlockPool:
         evicted = [h for h, cached in self._pending.items() if not cached]
         self._pending.clear()
         return stored, evicted
+
+    def take_evicted(self) -> list[Evicted]:
+        """The evictions since the last call, oldest first (only with ``record_evictions``)."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def _note(self, block_hash: str, cached: bool) -> None:
         if self._pending.get(block_hash) is (not cached):
@@ -137,3 +178,4 @@ class BlockPool:
 
 def _forget(block: Block) -> None:
     block.block_hash, block.token_ids, block.content_id, block.parent_content_id = None, None, None, 0
+    block.parent_hash = ""

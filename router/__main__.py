@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> None:
         security = security_from_settings(settings, "router")
         public = Security(None, **tls_files(settings))
         door = front_door_from_settings(settings)
-        weights = RoutingWeights(settings.route_block_weight, settings.route_load_weight,
+        weights = RoutingWeights(settings.route_block_weight, settings.route_host_block_weight,
+                                 settings.route_disk_block_weight, settings.route_load_weight,
                                  settings.route_balance_threshold)  # fmt: skip
     except ValueError as err:
         parser.error(str(err))

@@ -1,14 +1,16 @@
 """Cache-aware routing: which decode worker and which prefill worker serve a prompt.
 
 Each candidate costs ``block_weight`` per prompt block it would have to compute or receive (the full blocks
-it does not already hold, by the Redis prefix index, plus the partial tail) and ``load_weight`` per request
-it is already running or holding in queue. The cheapest wins; with equal cost, the first as given. Past a
+it does not already hold, by the Redis prefix index, plus the partial tail), ``host_block_weight`` and
+``disk_block_weight`` per leading block it holds only in its host or disk tier (a copy back, cheaper than a
+recompute, dearer than a device hit) and ``load_weight`` per request it is already running or holding in
+queue. The cheapest wins; with equal cost, the first as given. Past a
 load imbalance of ``balance_threshold`` requests between the busiest and the idlest candidate, load alone
 decides, so one hot prefix cannot pin all traffic to one worker (SGLang's cache-aware policy does the same).
 
 For the prefill worker the blocks that count are those the decode worker lacks and the prefill worker
-cannot take from its own cache: it writes only what the decode worker lacks, computing from its own cached
-point. The index is a hint: a stale entry costs speed, never correctness (workers confirm hits against
+cannot take from its own cache (any tier): it writes only what the decode worker lacks, computing from its
+own cached point. The index is a hint: a stale entry costs speed, never correctness (workers confirm hits against
 their own token ids).
 """
 
@@ -17,17 +19,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cluster_state.prefix_index import Held
 from cluster_state.workers import WorkerInfo
+
+_NONE = Held()
 
 
 @dataclass(frozen=True)
 class RoutingWeights:
     block_weight: float = 1.0  # one prompt block to compute or move
+    host_block_weight: float = 0.1  # one held in the host tier only: copied back (~1/10 of a recompute or less)
+    disk_block_weight: float = 0.3  # one held in the disk tier only: read from disk and copied back
     load_weight: float = 8.0  # one request running or queued there: about 8 blocks (128 tokens) of prefill
     balance_threshold: int = 16  # requests of imbalance past which load alone decides
 
     def __post_init__(self) -> None:
-        if self.block_weight < 0 or self.load_weight < 0 or self.balance_threshold < 0:
+        if min(self.block_weight, self.host_block_weight, self.disk_block_weight, self.load_weight,
+               self.balance_threshold) < 0:  # fmt: skip
             raise ValueError(f"routing weights must be >= 0, got {self}")
 
 
@@ -36,31 +44,34 @@ class Choice:
     decode: list[WorkerInfo]  # best first
     prefill: str  # worker id, or '' to let the decode worker choose
     reason: str  # "prefix" (the chosen decode worker holds some of the prompt) or "load"
-    cached_blocks: int  # of the prompt's full blocks, how many the chosen decode worker holds
+    cached_blocks: int  # of the prompt's full blocks, how many the chosen decode worker holds (any tier)
 
 
-def choose(decode: list[WorkerInfo], prefill: list[WorkerInfo], owners: dict[str, int], num_blocks: int,
+def choose(decode: list[WorkerInfo], prefill: list[WorkerInfo], owners: dict[str, Held], num_blocks: int,
            load: Callable[[WorkerInfo], int], weights: RoutingWeights) -> Choice:  # fmt: skip
     """Rank ``decode`` and pick from ``prefill`` for a prompt of ``num_blocks`` blocks (partial tail included);
-    ``owners`` maps worker id -> leading full blocks of the prompt it holds; ``load`` is a worker's load."""
+    ``owners`` maps worker id -> leading full blocks of the prompt it holds, by tier (``PrefixIndex.holdings``);
+    ``load`` is a worker's load."""
     if not decode:
         return Choice([], "", "load", 0)
     loads = {w.worker_id: load(w) for w in decode + prefill}
     by_load = _imbalanced([loads[w.worker_id] for w in decode], weights)
 
     def decode_cost(w: WorkerInfo) -> tuple:
-        blocks = 0 if by_load else weights.block_weight * (num_blocks - owners.get(w.worker_id, 0))
+        held = owners.get(w.worker_id, _NONE)
+        blocks = 0 if by_load else (weights.block_weight * (num_blocks - held.total) + weights.host_block_weight
+                                    * held.host + weights.disk_block_weight * held.disk)  # fmt: skip
         return blocks + weights.load_weight * loads[w.worker_id], -w.free_blocks / max(1, w.total_blocks)
 
     ranked = sorted(decode, key=decode_cost)
-    held = owners.get(ranked[0].worker_id, 0)
+    held = owners.get(ranked[0].worker_id, _NONE).total
     reason = "prefix" if held and not by_load else "load"
     if not prefill:
         return Choice(ranked, "", reason, held)
     prefill_by_load = _imbalanced([loads[w.worker_id] for w in prefill], weights)
 
     def prefill_cost(w: WorkerInfo) -> tuple:
-        lacking = num_blocks - max(held, owners.get(w.worker_id, 0))
+        lacking = num_blocks - max(held, owners.get(w.worker_id, _NONE).total)
         blocks = 0 if prefill_by_load else weights.block_weight * lacking
         return blocks + weights.load_weight * loads[w.worker_id]
 

@@ -36,6 +36,7 @@ from contextlib import aclosing
 
 import grpc
 
+from cluster_state.prefix_index import Held
 from cluster_state.registry import Registry
 from cluster_state.workers import Role, WorkerInfo
 from engine.tokenizer import Tokenizer
@@ -212,8 +213,8 @@ class Router(pb_grpc.InferenceServicer):
         """
         return max(worker.num_running + worker.num_waiting, self._in_flight[worker.worker_id])
 
-    def _prefix_owners(self, prompt: list[int], decode: list[WorkerInfo]) -> tuple[dict[str, int], int]:
-        """(worker id -> leading full blocks of ``prompt`` it holds, the prompt's blocks incl. a partial tail),
+    def _prefix_owners(self, prompt: list[int], decode: list[WorkerInfo]) -> tuple[dict[str, Held], int]:
+        """(worker id -> leading full blocks of ``prompt`` it holds by tier, the prompt's blocks incl. a partial tail),
         hashed the way the workers' engines hash (their fingerprint and block size); one Redis round trip."""
         layout = next((w for w in decode if w.block_size), None)
         if layout is None:
@@ -223,7 +224,7 @@ class Router(pb_grpc.InferenceServicer):
             return {}, num_blocks
         # the hashes are salted with the layout's fingerprint: only workers of that layout can hold them
         chain = block_hashes(prompt, layout.block_size, layout.fingerprint)
-        return self.registry.prefix_index.owners(chain), num_blocks
+        return self.registry.prefix_index.holdings(chain), num_blocks
 
     def _claim(self, worker_id: str) -> _Slot:
         """Count a call to ``worker_id`` as in flight until the slot is released (``with`` releases it)."""

@@ -44,6 +44,16 @@ class RoutingSettings(Settings):
     route_block_weight: float = Field(
         RoutingWeights.block_weight, ge=0, description="cost of one prompt block a worker would compute or receive"
     )
+    route_host_block_weight: float = Field(
+        RoutingWeights.host_block_weight,
+        ge=0,
+        description="cost of one leading prompt block a worker holds only in its host tier (a copy back)",
+    )
+    route_disk_block_weight: float = Field(
+        RoutingWeights.disk_block_weight,
+        ge=0,
+        description="cost of one leading prompt block a worker holds only in its disk tier (a read and a copy back)",
+    )
     route_load_weight: float = Field(
         RoutingWeights.load_weight, ge=0, description="cost of one request a worker runs or queues"
     )

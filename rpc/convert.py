@@ -9,7 +9,8 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 def sampling_from_proto(opts: pb.SamplingOptions) -> SamplingParams:
     """Unset fields take ``SamplingParams``' defaults; invalid values raise ``ValueError`` with the reason."""
     kwargs = {}
-    for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "repetition_penalty"):
+    for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "repetition_penalty", "streaming_window",
+                 "streaming_sinks"):  # fmt: skip
         if opts.HasField(name):
             kwargs[name] = getattr(opts, name)
     return SamplingParams(
@@ -23,6 +24,7 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
                               max_tokens=params.max_tokens, repetition_penalty=params.repetition_penalty,
                               stop=params.stop, stop_token_ids=params.stop_token_ids,
                               ignore_eos=params.ignore_eos)  # fmt: skip
-    if params.seed is not None:
-        opts.seed = params.seed
+    for name in ("seed", "streaming_window", "streaming_sinks"):  # None: unset, so the receiver's default holds
+        if getattr(params, name) is not None:
+            setattr(opts, name, getattr(params, name))
     return opts

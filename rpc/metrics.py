@@ -66,6 +66,11 @@ def export_state(role: str, load: Callable[[], dict[str, int]], engine: LLMEngin
     for name, read in fields.items():
         _STATE.labels(role, name).set_function(read)
     REGISTRY.register(_PreemptionCount(role, lambda: engine.scheduler.num_preemptions))
+    if engine.tiers is not None:
+        host = engine.tiers.host
+        _STATE.labels(role, "kv_host_blocks_cached").set_function(lambda: len(host.entries))
+        _STATE.labels(role, "kv_host_blocks_free").set_function(lambda: host.num_free_slots)
+        REGISTRY.register(_TierCounts(role, engine.tiers.stats))
 
 
 class _PreemptionCount(Collector):
@@ -77,6 +82,32 @@ class _PreemptionCount(Collector):
                                      "KV blocks", labels=["role"])  # fmt: skip
         family.add_metric([self.role], self.count())
         yield family
+
+
+class _TierCounts(Collector):
+    """The memory tiers' counters (``engine.tier_connector.TierStats``), read at scrape time."""
+
+    def __init__(self, role: str, stats) -> None:
+        self.role, self.stats = role, stats
+
+    def collect(self):
+        stats = self.stats
+        hits = CounterMetricFamily("kvserve_kv_tier_hit_tokens", "Prompt tokens whose KV a first admission "
+                                   "found, by memory tier (device pool, host tier, disk tier)",
+                                   labels=["role", "tier"])  # fmt: skip
+        for tier, n in list(stats.hit_tokens.items()):
+            hits.add_metric([self.role, tier], n)
+        moved = CounterMetricFamily("kvserve_kv_tier_blocks", "KV blocks copied between the device pool and the host "
+                                    "tier: saved (evicted, swapped out) or loaded (hits, swap-ins)",
+                                    labels=["role", "direction"])  # fmt: skip
+        moved.add_metric([self.role, "saved"], stats.blocks_saved)
+        moved.add_metric([self.role, "loaded"], stats.blocks_loaded)
+        preempted = CounterMetricFamily("kvserve_kv_preemptions_by_mode", "Preemptions by what became of the "
+                                        "KV: swapped to the host tier or dropped to recompute",
+                                        labels=["role", "mode"])  # fmt: skip
+        preempted.add_metric([self.role, "swap"], stats.swapped_out)
+        preempted.add_metric([self.role, "recompute"], stats.recomputed)
+        yield from (hits, moved, preempted)
 
 
 def count_prefill_tokens(num_prompt: int, num_own_cached: int, num_dest_read: int) -> None:

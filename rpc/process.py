@@ -85,8 +85,14 @@ def serve(worker: Worker, services: dict[str, object], aio: AsyncioThread, secur
     if registry is not None:
         registry.register(info)
         # the prefix index: the loop hands its engine's block events over, a thread of their own applies them
-        publisher = PrefixPublisher(registry.prefix_index, info.worker_id, worker.engine.cached_block_hashes)
-        worker.loop.add_hook(lambda: publisher.publish(*worker.engine.take_prefix_events()))
+        publisher = PrefixPublisher(registry.prefix_index, info.worker_id, worker.engine.held_block_hashes)
+
+        def publish() -> None:
+            publisher.publish(*worker.engine.take_prefix_events())
+            for tier, (stored, evicted) in worker.engine.take_tier_events().items():
+                publisher.publish(stored, evicted, tier)
+
+        worker.loop.add_hook(publish)
 
         def resync() -> None:  # Redis lost our state: leases in flight (decode) and every cached block
             getattr(worker, "resync", lambda: None)()

@@ -15,7 +15,10 @@ send back as INVALID_ARGUMENT (HTTP 400). The rules:
   most ``MAX_STOP_STRINGS`` stop strings of at most ``MAX_STOP_CHARS`` characters and at most
   ``MAX_STOP_TOKEN_IDS`` stop token ids, all inside the vocabulary;
 * length: like vLLM and OpenAI, an explicit ``max_tokens`` that does not fit beside the prompt in the
-  context is refused rather than silently cut; an unset one defaults to 16, lowered to the room left.
+  context is refused rather than silently cut; an unset one defaults to 16, lowered to the room left. A
+  request that sets ``streaming_window`` (StreamingLLM: its KV stays the same size however long it runs)
+  has no context bound on its prompt nor on ``max_tokens``; the worker checks its window against its block
+  size and pool.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from jinja2 import TemplateError
 
 from engine.sampling_params import SamplingParams, check_token_ids
 from engine.tokenizer import Tokenizer
+from kvstore.ring import UNBOUNDED
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from rpc.convert import sampling_from_proto
 
@@ -45,8 +49,15 @@ def validate_generate(
     Tokenizing may take a while for long text: call it off the event loop.
     """
     validate_request_id(request.request_id)
+    if is_streaming(request.sampling):
+        max_context = UNBOUNDED
     ids = validate_token_ids(_prompt_ids(request, tokenizer, max_context), vocab_size, max_context)
     return ids, validate_sampling(request.sampling, vocab_size, len(ids), max_context)
+
+
+def is_streaming(opts: pb.SamplingOptions) -> bool:
+    """Whether a request asks for StreamingLLM's window (then no context bounds its length)."""
+    return opts.HasField("streaming_window") and opts.streaming_window > 0
 
 
 def validate_request_id(request_id: str) -> None:
@@ -80,7 +91,7 @@ def validate_sampling(
         raise ValueError(f"{len(opts.stop_token_ids)} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
     params = sampling_from_proto(opts)
     params.validate(vocab_size)
-    if max_context is not None:
+    if max_context is not None and not is_streaming(opts):
         room = max_context - num_prompt_tokens
         if not opts.HasField("max_tokens"):
             params.max_tokens = min(params.max_tokens, room)

@@ -10,7 +10,7 @@
 #                      the engine vs transformers, launches per layer, cuda_ipc, a 1P+1D cluster on the GPU)
 #   cuda-ipc       20  kvserve bench cuda_ipc: a 2,048-token Qwen2-0.5B KV into another process's pool
 #   random-model   25  a random Qwen2-0.5B (24 layers, bf16) in /tmp/qwen2-0.5b
-#   offline       125  kvserve bench offline: a profile of decode steps (launches per layer, GPU busy; eager
+#   offline       110  kvserve bench offline: a profile of decode steps (launches per layer, GPU busy; eager
 #                      and CUDA graphs), then batches of 1, 64, 256 prompts of 128 tokens, 256 new tokens
 #                      each: the engine against transformers' static cache + torch.compile (which
 #                      compiles per batch size, so batch 256 runs the engine alone, as in issue 8's table)
@@ -19,6 +19,8 @@
 #   nano-vllm      35  nano-vllm's workload (256 requests, 100-1,024 tokens in and out), the engine alone
 #   cluster        70  kvserve bench serve --device cuda: TTFT/TPOT of a 1P+1D cluster on this GPU against the
 #                      offline engine, and the KV hand-off of a 2,048-token prompt
+#   tiers          15  kvserve bench tiers --bandwidth-only: the host KV tier's store (device -> pinned host)
+#                      and load (back) GB/s for 16, 128, 1,024 blocks of that model, against a plain copy
 # GPU_CHECK_SMOKE=1 (tests/test_gpu_check_script.py, on a CPU) runs the same command lines with tiny sizes
 # on the model directory GPU_CHECK_MODEL, with $PYTHON and no wheels; a step marked --smoke-parse (it needs
 # CUDA, or minutes of a CPU) then only parses its command line.
@@ -30,12 +32,12 @@ py=${PYTHON:-python3}
 if [ "$smoke" = 1 ]; then
     model=${GPU_CHECK_MODEL:?GPU_CHECK_SMOKE=1 needs GPU_CHECK_MODEL, a small model directory}
     batch_sizes=1,2 prompt_len=8 max_tokens=4 profile_batch=2 profile_steps=2 nano_requests=3 nano_lengths=4,8
-    device=cpu transfer_tokens=64
+    device=cpu transfer_tokens=64 tier_blocks=4,8
     export PYTHONPATH=. PYTHONUNBUFFERED=1
 else
     model=/tmp/qwen2-0.5b
     batch_sizes=1,64,256 prompt_len=128 max_tokens=256 profile_batch=64 profile_steps=10 nano_requests=256
-    nano_lengths=100,1024 device=cuda transfer_tokens=2048
+    nano_lengths=100,1024 device=cuda transfer_tokens=2048 tier_blocks=16,128,1024
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || { echo "carry .whl (bash scripts/gpu_wheels.sh)"; exit 1; }
     export PYTHONPATH=".:/tmp/site" PYTHONUNBUFFERED=1
@@ -78,10 +80,11 @@ step kernels-bench 55 -m kernels.bench --sweep-only
 step gpu-tests 165 -m pytest -q -s -rs -m gpu -p no:cacheprovider tests
 step cuda-ipc 20 -m kvserve.bench.cuda_ipc
 step random-model 25 --smoke-parse -m kvserve.cli model random --like qwen2-0.5b --out "$model" --dtype bfloat16
-step offline 125 -m kvserve.bench.offline --model "$model" --baseline hf-static --batch-sizes "$batch_sizes" \
+step offline 110 -m kvserve.bench.offline --model "$model" --baseline hf-static --batch-sizes "$batch_sizes" \
     --baseline-max-batch 64 --prompt-len "$prompt_len" --max-tokens "$max_tokens" --profile \
     --profile-batch "$profile_batch" --profile-steps "$profile_steps"
 step nixl 25 --smoke-parse -m kvserve.bench.transfer --device "$device" --model "$model" --tokens "$transfer_tokens" --repeats 3
 step nano-vllm 35 -m kvserve.bench.offline --model "$model" --baseline none --workload nano-vllm \
     --nano-requests "$nano_requests" --nano-lengths "$nano_lengths"
 step cluster 70 --smoke-parse -m kvserve.bench.serve --device cuda --model "$model"
+step tiers 15 -m kvserve.bench.tiers --bandwidth-only --device "$device" --model "$model" --blocks "$tier_blocks"

@@ -8,6 +8,7 @@ import time
 import pytest
 from waiting import wait_until
 
+from cluster_state.prefix_index import Held
 from cluster_state.publisher import PrefixPublisher
 from cluster_state.registry import Registry
 from cluster_state.workers import WorkerInfo
@@ -27,7 +28,7 @@ def test_events_reach_the_index_and_a_dead_workers_entries_are_purged(redis_url)
     worker = Registry(redis_url, security=SECURITY, ttl_s=1.0)
     worker.register(WorkerInfo(worker_id="d0", role="decode", address="127.0.0.1:1"))
     held = ["h0", "h1", "h2"]
-    publisher = PrefixPublisher(worker.prefix_index, "d0", lambda: list(held))
+    publisher = PrefixPublisher(worker.prefix_index, "d0", lambda: {"device": list(held)})
     reader = Registry(redis_url, security=SECURITY)
     try:
         wait_until(lambda: reader.prefix_index.owners(held) == {"d0": 3})  # the start-up resync published the set
@@ -53,10 +54,33 @@ def test_a_restarted_worker_starts_from_an_empty_entry_set(redis_url):
     first = Registry(redis_url, security=SECURITY)
     first.prefix_index.apply("d0", {"old0": True, "old1": True})  # what the previous process left behind
     first.prefix_index.apply("d1", {"old0": True})
-    publisher = PrefixPublisher(first.prefix_index, "d0", lambda: ["new0"])
+    publisher = PrefixPublisher(first.prefix_index, "d0", lambda: {"device": ["new0"]})
     try:
         wait_until(lambda: first.prefix_index.owners(["new0"]) == {"d0": 1})
         assert first.prefix_index.owners(["old0", "old1"]) == {"d1": 1}  # d0's stale entries are gone, d1's stay
     finally:
         publisher.stop()
         first.stop()
+
+
+def test_holdings_count_each_leading_block_in_the_fastest_tier_that_holds_it(redis_url):
+    reg = Registry(redis_url, security=SECURITY)
+    reg.register(WorkerInfo(worker_id="d0", role="decode", address="127.0.0.1:1"))
+    index = reg.prefix_index
+    chain = ["h0", "h1", "h2", "h3", "h4"]
+    # a restarted d0 re-announces its disk tier through the resync; its host tier through events
+    publisher = PrefixPublisher(index, "d0", lambda: {"device": ["h0"], "disk": ["h1", "h2", "h3"]})
+    try:
+        wait_until(lambda: index.holdings(chain) == {"d0": Held(device=1, disk=3)})
+        publisher.publish(stored=["h2"], evicted=[], tier="host")  # loaded back from disk: host and disk now
+        publisher.publish(stored=["h1"], evicted=[])  # ... and into the device pool
+        wait_until(lambda: index.holdings(chain) == {"d0": Held(device=2, host=1, disk=1)})
+        index.apply("d1", {"h0": True}, "host")
+        index.apply("d1", {"h1": True, "h4": True})  # h2 missing: h4 is no prefix
+        assert index.holdings(chain) == {"d0": Held(device=2, host=1, disk=1), "d1": Held(device=1, host=1)}
+        assert index.owners(chain) == {"d0": 2} and index.holdings(chain)["d0"].total == 4
+        index.purge_worker("d0")  # every tier's entries go
+        assert index.holdings(chain) == {"d1": Held(device=1, host=1)}
+    finally:
+        publisher.stop()
+        reg.stop()

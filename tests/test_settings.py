@@ -113,6 +113,7 @@ def test_kvserve_up_passes_every_engine_option_on_to_its_workers():
     names = fields_of(EngineConfig, UP_SET_FIELDS)
     assert set(names) | set(UP_SET_FIELDS) == set(EngineConfig.model_fields)
     given = {name: _other_value(EngineConfig, name) for name in names}
+    given["streaming_window"] = 64  # (at least a block and more than the sinks: EngineConfig checks them together)
     up = UpSettings(**given)
     for worker_cls in (DecodeSettings, PrefillSettings):
         engine = parse_settings(worker_cls, up.engine_argv()).engine_config()

@@ -6,10 +6,15 @@
 * ``transfer``: the KV hand-off's cost over ``shm``, ``grpc`` and ``nixl``;
 * ``cuda_ipc``: the KV hand-off between two processes on a GPU;
 * ``kv-curve``: decode tokens/s and KV memory against sequence length, with the KV cache against none;
+* ``tiers``: what the host KV tier buys: multi-turn TTFT with a small device pool, and resuming a preempted
+  sequence by swap against recompute;
+* ``ring``: StreamingLLM's ring buffer: memory and speed over a long generation, and perplexity against the
+  full cache and a window without sinks;
 * ``load``: an open-loop load test of a running cluster through its public API (``kvserve.bench.loadgen``
   is its engine, which ``scripts/reliability.py`` drives too).
 
 ``kvserve.bench.report`` holds what they share for timing and reporting.
 """
 
-BENCHES = ("offline", "serve", "transfer", "cuda_ipc", "kv-curve", "load")  # module: the name with "_" for "-"
+# module: the name with "_" for "-"
+BENCHES = ("offline", "serve", "transfer", "cuda_ipc", "kv-curve", "tiers", "ring", "load")

@@ -1,0 +1,243 @@
+"""The host tier (L2) below the device pool, and moving whole blocks between the two.
+
+``HostTier`` is a second pool of the device pool's layout (a ``KVCache`` in host memory, pinned when the
+device pool is on a GPU) whose blocks, *slots*, it gives out for one of two uses:
+
+* a cached block the device pool evicted (``add``): findable by its chained hash, token ids and parent
+  hash, kept in the tier's own LRU, evicted from the front when a slot is needed (handed to ``on_evict``
+  first, for a tier below to keep); a *pinned* entry (a load of it is planned) is never evicted;
+* the blocks of a sequence swapped out by preemption (``take_slots``): held until the sequence is loaded
+  back or ends (``free_slots``), never evicted.
+
+``BlockCopier`` moves blocks between the device pool and the tier, one region (a layer's K, V or scales)
+at a time over all the blocks of a batch: synchronously on a CPU (a gather and a scatter per region), on a
+copy stream of its own on a GPU (a gather on the device, then one copy per run of consecutive slots;
+``wait_for_copies`` orders the compute stream after it, ``synchronize`` the host).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.kv_cache import KVCache, KVCacheSpec, LayerKV
+
+_REGIONS = ("k_cache", "v_cache", "k_scale", "v_scale")
+
+
+def _pieces(views: list[LayerKV]) -> list[torch.Tensor]:
+    """Every region of every layer as ``(num_blocks, n)`` of the widest integer type that tiles one block's
+    bytes: a block is one row, and copying rows copies bytes (whatever the KV dtype, NaN patterns included)."""
+    pieces = []
+    for layer in views:
+        for name in _REGIONS:
+            region = getattr(layer, name)
+            if region is None:
+                continue
+            rows = region.view(torch.uint8).reshape(region.shape[0], -1)
+            width = next(w for w in (8, 4, 2, 1) if rows.shape[1] % w == 0)
+            pieces.append(rows.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]))
+    return pieces
+
+
+def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first index, first slot, length) of each run of consecutive slots, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            first, start, length = runs[-1]
+            runs[-1] = (first, start, length + 1)
+        else:
+            runs.append((i, slot, 1))
+    return runs
+
+
+class BlockCopier:
+    """Copies whole blocks between a device pool and a host tier's pool (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._last: torch.cuda.Event | None = None
+
+    def to_host(self, views: list[LayerKV], block_ids: Sequence[int], host: list[LayerKV],
+                slots: Sequence[int]) -> None:  # fmt: skip
+        """Copy blocks ``block_ids`` of the device pool into slots ``slots`` of the host tier."""
+        if not block_ids:
+            return
+        if not self.cuda:
+            src, dst = torch.tensor(block_ids), torch.tensor(slots)
+            for source, target in zip(_pieces(views), _pieces(host), strict=True):
+                target.index_copy_(0, dst, source.index_select(0, src))
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the blocks' KV is written first
+        with torch.cuda.stream(self.stream):
+            src, runs = torch.tensor(block_ids, device=self.device), _runs(slots)
+            for source, target in zip(_pieces(views), _pieces(host), strict=True):
+                staged = source.index_select(0, src)
+                for first, slot, n in runs:
+                    target[slot : slot + n].copy_(staged[first : first + n], non_blocking=True)
+            self._record()
+
+    def to_device(self, host: list[LayerKV], slots: Sequence[int], views: list[LayerKV],
+                  block_ids: Sequence[int]) -> None:  # fmt: skip
+        """Copy slots ``slots`` of the host tier into blocks ``block_ids`` of the device pool."""
+        if not block_ids:
+            return
+        if not self.cuda:
+            src, dst = torch.tensor(slots), torch.tensor(block_ids)
+            for source, target in zip(_pieces(host), _pieces(views), strict=True):
+                target.index_copy_(0, dst, source.index_select(0, src))
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # nobody still reads the blocks
+        with torch.cuda.stream(self.stream):
+            dst, runs = torch.tensor(block_ids, device=self.device), _runs(slots)
+            for source, target in zip(_pieces(host), _pieces(views), strict=True):
+                staged = torch.empty((len(slots), source.shape[1]), dtype=source.dtype, device=self.device)
+                for first, slot, n in runs:
+                    staged[first : first + n].copy_(source[slot : slot + n], non_blocking=True)
+                target.index_copy_(0, dst, staged)
+            self._record()
+
+    def _record(self) -> None:
+        self._last = torch.cuda.Event()
+        self._last.record(self.stream)
+
+    def wait_for_copies(self) -> None:
+        """Order the device's compute stream after every copy issued so far (no host wait)."""
+        if self._last is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._last)
+
+    def synchronize(self) -> None:
+        """Wait, on the host, for every copy issued so far (before reading or writing slots on the host)."""
+        if self._last is not None:
+            self._last.synchronize()
+
+
+@dataclass(eq=False)
+class TierEntry:
+    """A cached block held in a tier slot: what it holds (its chained hash, tokens and parent's hash), where."""
+
+    block_hash: str
+    parent_hash: str
+    token_ids: tuple[int, ...]
+    slot: int
+    pins: int = 0
+
+
+class HostTier:
+    """L2: host slots for cached blocks (an LRU) and for swapped-out sequences (see the module docstring).
+
+    Invariants: every slot is in exactly one of the free list, one entry, or one swap holding; an entry with
+    ``pins`` > 0 is never evicted; ``take_events`` reports the net change of the set of hashes held, as
+    ``BlockPool.take_events`` does for the device pool.
+    """
+
+    def __init__(self, spec: KVCacheSpec, num_slots: int, *, pin_memory: bool = False,
+                 on_evict: Callable[[TierEntry], None] | None = None) -> None:  # fmt: skip
+        if num_slots <= 0:
+            raise ValueError(f"a host tier needs at least one block, got {num_slots}")
+        buffer = torch.zeros(spec.total_bytes(num_slots), dtype=torch.uint8, pin_memory=pin_memory)
+        self.cache = KVCache(spec, num_slots, "cpu", buffer=buffer)
+        self.views = self.cache.layers
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: low slots first, often in runs
+        self.entries: OrderedDict[str, TierEntry] = OrderedDict()  # LRU order: front is evicted first
+        self.on_evict = on_evict
+        self._pending: dict[str, bool] = {}
+
+    @property
+    def num_slots(self) -> int:
+        return self.cache.num_blocks
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def num_available(self) -> int:
+        """Slots that could be handed out now: free ones plus those of unpinned entries."""
+        return len(self._free) + sum(1 for e in self.entries.values() if e.pins == 0)
+
+    def lookup(self, block_hash: str, token_ids: tuple[int, ...], parent_hash: str) -> TierEntry | None:
+        entry = self.entries.get(block_hash)
+        if entry is None or entry.token_ids != token_ids or entry.parent_hash != parent_hash:
+            return None
+        return entry
+
+    def touch(self, entry: TierEntry) -> None:
+        self.entries.move_to_end(entry.block_hash)
+
+    def add(self, block_hash: str, parent_hash: str, token_ids: tuple[int, ...]) -> TierEntry | None:
+        """A new entry whose slot the caller fills now; None when every slot is pinned or swapped out. A
+        different entry under the same hash (a stale chain) is replaced."""
+        old = self.entries.get(block_hash)
+        if old is not None:
+            if old.pins:
+                return None
+            self._drop(old)
+        slots = self.take_slots(1)
+        if slots is None:
+            return None
+        entry = self.entries[block_hash] = TierEntry(block_hash, parent_hash, token_ids, slots[0])
+        if old is None:
+            self._note(block_hash, held=True)
+        return entry
+
+    def take_slots(self, n: int) -> list[int] | None:
+        """``n`` slots for the caller alone (evicting unpinned entries, least recently used first), or None and
+        nothing changed when there are not that many."""
+        if n > self.num_available():
+            return None
+        while len(self._free) < n:
+            victim = next(e for e in self.entries.values() if e.pins == 0)
+            if self.on_evict is not None:
+                self.on_evict(victim)
+            self.remove(victim)
+        return [self._free.pop() for _ in range(n)]
+
+    def free_slots(self, slots: Sequence[int]) -> None:
+        self._free.extend(slots)
+
+    def remove(self, entry: TierEntry) -> None:
+        """Forget ``entry`` (evicted, or found corrupt) and free its slot."""
+        self._drop(entry)
+        self._note(entry.block_hash, held=False)
+
+    def _drop(self, entry: TierEntry) -> None:
+        del self.entries[entry.block_hash]
+        self._free.append(entry.slot)
+
+    def hashes(self) -> list[str]:
+        return list(self.entries)
+
+    def take_events(self) -> tuple[list[str], list[str]]:
+        """(hashes added, hashes evicted) since the last call: the net change."""
+        added = [h for h, held in self._pending.items() if held]
+        evicted = [h for h, held in self._pending.items() if not held]
+        self._pending.clear()
+        return added, evicted
+
+    def _note(self, block_hash: str, held: bool) -> None:
+        if self._pending.get(block_hash) is (not held):
+            del self._pending[block_hash]
+        else:
+            self._pending[block_hash] = held
+
+
+def available_host_bytes() -> int | None:
+    """Memory this machine can still give (``MemAvailable``), or None where it cannot say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
