@@ -12,6 +12,7 @@ from decode_service.settings import DecodeSettings
 from engine import LLMEngine
 from rpc.loop import AsyncioThread
 from rpc.process import prepare_worker, serve
+from rpc.server import exit_stopped_process
 from rpc.settings import parse_settings
 from rpc.worker_options import WORKER_SET_FIELDS
 
@@ -36,3 +37,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_stopped_process()

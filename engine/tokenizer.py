@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedConfig
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -16,7 +17,16 @@ class Tokenizer:
                 f"{path} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); add them, or run with "
                 "skip_tokenizer_init=True and send token ids"
             )
-        self.hf = AutoTokenizer.from_pretrained(str(path))
+        # When tokenizer_config.json declares its class (and no remote code), AutoTokenizer reads the model's config
+        # only for its model type, name and declared class. Handing it the generic config made from config.json
+        # then skips importing the architecture's config module, which pulls in transformers' modeling stack
+        # (~1.5 s of a CPU in every worker and router start); tests/test_tokenizer.py checks the same class
+        # comes out. Without a declared class the config's own type chooses it: then the plain way.
+        config = None
+        tokenizer_config = _json(path / "tokenizer_config.json")
+        if tokenizer_config.get("tokenizer_class") and "auto_map" not in tokenizer_config:
+            config = PreTrainedConfig.from_dict(_json(path / "config.json"))
+        self.hf = AutoTokenizer.from_pretrained(str(path), config=config)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -33,6 +43,10 @@ class Tokenizer:
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 class IncrementalDetokenizer:

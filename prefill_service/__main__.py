@@ -13,6 +13,7 @@ from prefill_service.settings import PrefillSettings
 from prefill_service.worker import PrefillWorker
 from rpc.loop import AsyncioThread
 from rpc.process import prepare_worker, serve
+from rpc.server import exit_stopped_process
 from rpc.settings import parse_settings
 from rpc.worker_options import WORKER_SET_FIELDS
 
@@ -33,3 +34,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_stopped_process()

@@ -26,7 +26,7 @@ from router.server import Router
 from router.settings import RouterSettings
 from rpc.auth import Security, security_from_settings, tls_files
 from rpc.metrics import start_metrics_server
-from rpc.server import add_service, new_server, set_not_serving, start_server
+from rpc.server import add_service, exit_stopped_process, new_server, set_not_serving, start_server
 from rpc.settings import parse_settings, settings_parser
 
 if TYPE_CHECKING:
@@ -107,3 +107,4 @@ async def serve(router: Router, address: str, public: Security, drain_timeout_s:
 
 if __name__ == "__main__":
     main()
+    exit_stopped_process()

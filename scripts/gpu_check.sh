@@ -33,11 +33,12 @@ if [ "$smoke" = 1 ]; then
     model=${GPU_CHECK_MODEL:?GPU_CHECK_SMOKE=1 needs GPU_CHECK_MODEL, a small model directory}
     batch_sizes=1,2 prompt_len=8 max_tokens=4 profile_batch=2 profile_steps=2 nano_requests=3 nano_lengths=4,8
     device=cpu transfer_tokens=64 tier_blocks=4,8
+    gpu_tests=tests/test_cuda_graph.py  # (collecting all of tests/ takes ~10 s of a CPU to run no test)
     export PYTHONPATH=. PYTHONUNBUFFERED=1
 else
     model=/tmp/qwen2-0.5b
     batch_sizes=1,64,256 prompt_len=128 max_tokens=256 profile_batch=64 profile_steps=10 nano_requests=256
-    nano_lengths=100,1024 device=cuda transfer_tokens=2048 tier_blocks=16,128,1024
+    nano_lengths=100,1024 device=cuda transfer_tokens=2048 tier_blocks=16,128,1024 gpu_tests=tests
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || { echo "carry .whl (bash scripts/gpu_wheels.sh)"; exit 1; }
     export PYTHONPATH=".:/tmp/site" PYTHONUNBUFFERED=1
@@ -77,7 +78,7 @@ step() {  # step NAME SECONDS [--smoke-parse] -m MODULE ARGS...
   "$py" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
 } 2>&1 | tee "$out/machine.txt"
 step kernels-bench 55 -m kernels.bench --sweep-only
-step gpu-tests 165 -m pytest -q -s -rs -m gpu -p no:cacheprovider tests
+step gpu-tests 165 -m pytest -q -s -rs -m gpu -p no:cacheprovider "$gpu_tests"
 step cuda-ipc 20 -m kvserve.bench.cuda_ipc
 step random-model 25 --smoke-parse -m kvserve.cli model random --like qwen2-0.5b --out "$model" --dtype bfloat16
 step offline 110 -m kvserve.bench.offline --model "$model" --baseline hf-static --batch-sizes "$batch_sizes" \

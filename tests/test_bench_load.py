@@ -12,7 +12,7 @@ import random
 import statistics
 
 import pytest
-from cluster_utils import cluster
+from cluster_utils import cluster, discard
 
 from kvserve.bench.datasets import jsonl_requests, random_requests, shared_prefix_requests
 from kvserve.bench.load import main, parse_slo
@@ -29,7 +29,7 @@ def full_cluster(tmp_path_factory):
     c = cluster(1, 1, tmp_path_factory.mktemp("logs"), decode_argv=["--num-blocks", "32", "--max-waiting", "2"],
                 http=True)  # fmt: skip
     yield c
-    c.stop()
+    discard(c)
 
 
 def _load(tmp_path, name: str, *argv: str) -> dict:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
+
+# on demand (~15 s): pytest -m soak tests/test_bench_serve.py; clusters equal the offline engine in test_cluster.py
+@pytest.mark.soak
 def test_bench_serve_reports_latencies_hand_off_and_equal_tokens():
     cmd = [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--num-prompts", "2", "--prompt-len", "24",
            "--max-tokens", "4", "--handoff-tokens", "48", "--handoff-prompts", "1"]  # fmt: skip

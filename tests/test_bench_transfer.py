@@ -36,6 +36,7 @@ def test_in_one_process_every_transport_here_moves_the_blocks():
     assert re.search(r"^shm is [\d.]+x as fast as grpc for this hand-off$", out, re.M), out
 
 
+@pytest.mark.soak  # ~10 s: pytest -m soak tests/test_bench_transfer.py (test_multihost.py moves KV across hosts)
 def test_across_two_hosts_grpc_and_nixl_cross_the_link_and_shm_cannot():
     if reason := netns.unavailable():
         pytest.skip(reason)

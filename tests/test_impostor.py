@@ -17,7 +17,7 @@ import stat
 import threading
 import time
 
-from cluster_utils import cluster
+from cluster_utils import cluster, discard
 from impostor import impostor, wait_port_free
 from redis_probe import NOBODY
 
@@ -71,7 +71,7 @@ def test_impostors_on_dead_workers_ports_get_no_token_and_no_prompt(tmp_path):
         assert not errors, errors[:3]
         assert len(answers) >= 3 and all(answer == expected for answer in answers)
     finally:
-        c.stop()
+        discard(c)
     assert getattr(c, "tls_dir", None) is None or not c.tls_dir.exists()  # the keys went with the cluster
 
 

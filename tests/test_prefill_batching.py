@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -132,9 +131,11 @@ def test_expired_lease_quarantines_blocks_and_the_request_completes(engine_promp
         assert [t for m in messages for t in m.token_ids] == hf_greedy[5]
         assert messages[-1].transfer_backend == "local"  # the lease expired, so it was prefilled here
         assert decode.quarantine.num_held == 1  # its first blocks were held back, not reused at once
-        time.sleep(4.5)  # past the slow batch window: the abandoned job must not have run
-        assert prefill.batch_sizes == [1] and prefill.num_cancelled == 1
-        assert prefill_engine.block_manager.num_free_blocks == prefill_engine.block_manager.num_blocks
+        # the slow batch window closes: the abandoned job must be dropped there, not run
+        wait_until(lambda: prefill.num_cancelled == 1, 10, "the expired job dropped when its batch window closed")
+        prefill_pool = prefill_engine.block_manager
+        wait_until(lambda: prefill_pool.num_free_blocks == prefill_pool.num_blocks, 5, "the dropped job's blocks freed")
+        assert prefill.batch_sizes == [1]
         pool = engine.block_manager  # the late writer finishes; the quarantine ends after the timeout
         wait_until(lambda: pool.num_free_blocks == pool.num_blocks, 10, "quarantined blocks were never freed")
 

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 import redis
-from cluster_utils import cluster, hf_reference
+from cluster_utils import cluster, discard, hf_reference
 from waiting import wait_until
 
 from cluster_state.registry import Registry
@@ -23,7 +23,7 @@ GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 def one_by_two(tmp_path_factory):
     c = cluster(1, 2, tmp_path_factory.mktemp("logs-prefix"))
     yield c
-    c.stop()
+    discard(c)
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ its metrics say so, and the answer stays exact."""
 from __future__ import annotations
 
 import pytest
-from cluster_utils import cluster, hf_reference, prometheus_values
+from cluster_utils import cluster, discard, hf_reference, prometheus_values
 
 from kvserve.client import Client
 
@@ -18,7 +18,7 @@ def uncached_prefill(tmp_path_factory):
     """1P+1D; only the decode worker caches prefixes (it offers them to the prefill worker: the default)."""
     c = cluster(1, 1, tmp_path_factory.mktemp("logs-inplace"), prefill_argv=["--enable-prefix-caching", "false"])
     yield c
-    c.stop()
+    discard(c)
 
 
 def _tokens_by_source(c) -> dict[str, float]:

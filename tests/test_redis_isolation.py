@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 import pytest
 import redis
-from cluster_utils import ENGINE_ARGV
+from cluster_utils import ENGINE_ARGV, discard
 from redis_probe import NOBODY, listening, probe, probe_as
 
 from kvserve.client import Client
@@ -40,7 +40,7 @@ def two_decode(tmp_path_factory) -> Iterator[Cluster]:
     c = start_cluster(num_prefill=0, num_decode=2, port=free_base_port(), engine_argv=ENGINE_ARGV,
                       log_dir=str(tmp_path_factory.mktemp("logs")))  # fmt: skip
     yield c
-    c.stop()
+    discard(c)
 
 
 def test_another_local_user_cannot_use_the_clusters_redis(two_decode: Cluster, tmp_path: Path) -> None:
@@ -144,4 +144,4 @@ def test_the_redis_password_is_on_no_command_line(two_decode: Cluster, tmp_path:
         try:
             _assert_nowhere_on_a_command_line(c, external.password)
         finally:
-            c.stop()
+            discard(c)

@@ -162,12 +162,19 @@ def _long_prompts(engine_prompts) -> list[list[int]]:
     return [text[i : i + 9 * BLOCK_SIZE + 1] for i in (0, 30, 60, 90)]
 
 
-def test_blocks_the_pool_evicted_come_back_from_the_host_tier_token_exact(engine_prompts):
-    prompts = _long_prompts(engine_prompts)  # 4 x 10 blocks through a 24-block pool
-    cold = LLM("default", block_size=BLOCK_SIZE, num_blocks=24, enable_prefix_caching=False)
+@pytest.fixture(scope="module")
+def long_answers(engine_prompts) -> tuple[list[list[int]], list[list[int]]]:
+    """``_long_prompts`` and their greedy(8) answers, each computed alone in a pool that holds them all, with
+    no prefix cache and no tier."""
+    prompts = _long_prompts(engine_prompts)
+    cold = LLM("default", block_size=BLOCK_SIZE, num_blocks=64, enable_prefix_caching=False)
+    return prompts, [o.token_ids for o in _outputs(cold, prompts, greedy(8))]
+
+
+def test_blocks_the_pool_evicted_come_back_from_the_host_tier_token_exact(long_answers):
+    prompts, want = long_answers  # 4 x 10 blocks through a 24-block pool
     tiered = LLM("default", block_size=BLOCK_SIZE, num_blocks=24, host_kv_cache_gb=0.05)
     params = greedy(8)
-    want = [o.token_ids for o in _outputs(cold, prompts, params)]
     first = _outputs(tiered, prompts, params)
     again = _outputs(tiered, prompts, params)  # the first prompt's blocks were evicted by the three after it
     assert [o.token_ids for o in first] == want and [o.token_ids for o in again] == want
@@ -179,8 +186,8 @@ def test_blocks_the_pool_evicted_come_back_from_the_host_tier_token_exact(engine
 
 @pytest.fixture(scope="module")
 def unpreempted(engine_prompts) -> tuple[list[list[int]], SamplingParams, list[list[int]]]:
-    """Two sequences of 10 blocks growing to 13 each: a 24-block pool must preempt one; a 64-block one not."""
-    prompts, params = [p[:150] for p in _long_prompts(engine_prompts)[:2]], greedy(50)
+    """Two sequences of 10 blocks growing to 11 each: a 20-block pool must preempt one; a 64-block one not."""
+    prompts, params = [p[:150] for p in _long_prompts(engine_prompts)[:2]], greedy(26)
     big = LLM("default", block_size=BLOCK_SIZE, num_blocks=64)
     return prompts, params, [o.token_ids for o in big.generate(prompts, params)]
 
@@ -188,7 +195,7 @@ def unpreempted(engine_prompts) -> tuple[list[list[int]], SamplingParams, list[l
 @pytest.mark.parametrize(("mode", "caching"), [("swap", False), ("recompute", False), ("swap", True)])
 def test_swapped_out_and_recomputed_sequences_give_the_tokens_of_an_unpreempted_run(unpreempted, mode, caching):
     prompts, params, want = unpreempted
-    llm = LLM("default", block_size=BLOCK_SIZE, num_blocks=24, host_kv_cache_gb=0.05, preemption_mode=mode,
+    llm = LLM("default", block_size=BLOCK_SIZE, num_blocks=20, host_kv_cache_gb=0.05, preemption_mode=mode,
               enable_prefix_caching=caching, max_num_batched_tokens=512)  # fmt: skip
     outs = llm.generate(prompts, params)
     stats, host = llm.engine.tiers.stats, llm.engine.tiers.host
@@ -261,13 +268,12 @@ def test_on_a_gpu_host_tier_hits_and_swaps_give_the_tokens_of_a_pool_that_holds_
 
 
 def test_blocks_come_back_from_the_disk_tier_and_survive_a_restart_and_a_corrupt_file_is_recomputed(
-        engine_prompts, tmp_path):  # fmt: skip
-    prompts = _long_prompts(engine_prompts)
+        long_answers, tmp_path):  # fmt: skip
+    prompts, want = long_answers
     tiny_host = 10 * 737280 / (1 << 30)  # 10 blocks: one prompt's, so most of what the pool evicts goes to disk
     options = {"block_size": BLOCK_SIZE, "num_blocks": 24, "host_kv_cache_gb": tiny_host,
                "disk_kv_cache_dir": str(tmp_path / "kv"), "disk_kv_cache_gb": 0.1}  # fmt: skip
     params = greedy(8)
-    want = [o.token_ids for o in _outputs(LLM("default", block_size=BLOCK_SIZE, num_blocks=64), prompts, params)]
     first = LLM("default", **options)
     assert [o.token_ids for o in _outputs(first, prompts, params)] == want
     again = _outputs(first, prompts[:1], params)[0]  # its blocks went pool -> host -> disk

@@ -16,6 +16,7 @@ from cluster_utils import free_base_port
 
 from engine import EngineConfig
 from kvserve.client import Client
+from kvserve.scratch import cluster_shm_dir
 from rpc.auth import TOKEN_ENV, TOKEN_FILE_ENV
 from rpc.options import REDIS_URL_ENV
 from rpc.settings import settings_from_argv
@@ -110,6 +111,7 @@ def test_up_serves_then_stops_cleanly(tmp_path):
         assert proc.wait(timeout=30) == 0
     output = "".join(lines) + proc.stdout.read()
     assert "cluster stopped" in output
+    assert not cluster_shm_dir(port).exists()  # its pools, Redis's socket and the certificates went with it
     for name, text in [("the launcher's output", output), *((p.name, p.read_text()) for p in logs.iterdir())]:
         assert not [s for s in secrets if s in text], f"a secret in {name}"
     for worker_port in (port, port + 10, port + 30):

@@ -88,7 +88,7 @@ def channel(model_dir):
 
 
 @pytest.mark.slow
-@settings(max_examples=int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "300")), deadline=None, database=None,
+@settings(max_examples=int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "150")), deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
 @given(request=requests())
 def test_fuzzed_requests_are_served_or_refused_with_a_reason(channel, request):

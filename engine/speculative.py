@@ -1,0 +1,158 @@
+"""Speculative decoding: a cheap proposer guesses a sequence's next tokens, one target step scores them all, and
+the longest run the target agrees with is kept, plus the target's own next token.
+
+``speculative_config`` is spelled as vLLM spells it::
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    {"method": "draft", "model": DIR, "num_speculative_tokens": 4}
+
+Verification. A speculating sequence brings its last token and its k proposals d1..dk to one step, which
+computes their KV like a prefill chunk and keeps the logits of all k+1 rows. Row j is sampled exactly as a
+plain decode step would sample the token at its position (``engine.sampler``: penalty, temperature, top-k,
+top-p, then the Gumbel-max draw whose noise is a function of the request's seed and the position alone); the
+proposals are accepted while d(j+1) equals row j's token, and the first row that disagrees gives the next
+token. So every emitted token is the token the target samples at that position given the tokens before it:
+greedy output, and seeded sampled output, equal the output without speculation token for token, and the
+sampled tokens keep exactly the target's distribution. For a proposal that is a single token (n-gram) this is
+Leviathan et al.'s rule itself: d is accepted with probability p(d), and on rejection the token is drawn from
+p without d, renormalised. A draft model samples its proposals with the same noise at the same positions
+(a Gumbel-max coupling), so a draft equal to the target is always accepted; for a draft that differs, the
+coupling accepts a little less often than Leviathan's min(1, p/q) would (at least (1 - TV)/(1 + TV) per
+token, TV the total variation distance between the two distributions), in exchange for outputs that never
+depend on what was proposed.
+
+The off-switch (``AcceptanceTracker``): a sequence whose last ``WINDOW`` verify steps accepted on average
+fewer than ``MIN_MEAN_ACCEPTED`` tokens stops proposing for ``backoff`` decode steps, then tries again; each
+failure in a row doubles the backoff (up to ``MAX_BACKOFF``), and a window that pays resets it. A verify step
+that accepts nothing still emits one token, so the price of a wrong guess is the step's extra rows, which
+the back-off keeps rare.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+MAX_SPECULATIVE_TOKENS = 16
+_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+
+WINDOW = 8  # verify steps a sequence's acceptance is judged over
+MIN_MEAN_ACCEPTED = 0.5  # tokens accepted per verify step, on average, below which speculating does not pay
+FIRST_BACKOFF, MAX_BACKOFF = 16, 512  # decode steps without proposals after a window that did not pay
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: Literal["ngram", "draft"]
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None  # the draft model's directory (method "draft")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From a dict or its JSON text (the worker flag's form); None or {} is off. ``ValueError`` naming the
+        field for an unknown key, method or bound."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as err:
+                raise ValueError(f"speculative_config is not JSON: {err}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object, e.g. "
+                             '{"method": "ngram", "num_speculative_tokens": 4}')  # fmt: skip
+        if not value:
+            return None
+        unknown = sorted(set(value) - _FIELDS)
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]} is not a field; the fields are {sorted(_FIELDS)}")
+        method = value.get("method")
+        if method not in ("ngram", "draft"):
+            raise ValueError(f"speculative_config.method={method!r} is not a method; use 'ngram' or 'draft'")
+        k = value.get("num_speculative_tokens")
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens={k!r} must be an integer in "
+                             f"1..{MAX_SPECULATIVE_TOKENS}")  # fmt: skip
+        config = cls(method, k, **{name: value[name] for name in ("prompt_lookup_min", "prompt_lookup_max", "model")
+                                   if name in value})  # fmt: skip
+        if method == "ngram":
+            lo, hi = config.prompt_lookup_min, config.prompt_lookup_max
+            for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not _is_int(n) or n < 1:
+                    raise ValueError(f"speculative_config.{name}={n!r} must be an integer of at least 1")
+            if lo > hi:
+                raise ValueError(f"speculative_config.prompt_lookup_min={lo} exceeds prompt_lookup_max={hi}")
+            if config.model is not None:
+                raise ValueError("speculative_config.model names a draft model: set method 'draft' to use one")
+        elif not isinstance(config.model, str) or not config.model:
+            raise ValueError("speculative_config.model: method 'draft' needs the draft model's directory")
+        return config
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+        if self.method == "ngram":
+            out.update(prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)
+        else:
+            out["model"] = self.model
+        return out
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def ngram_proposal(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
+    """Prompt lookup: for n from ``max_n`` down to ``min_n``, the last n tokens' most recent earlier occurrence in
+    ``tokens`` (int64, the sequence so far), and the up-to-``k`` tokens that followed it; empty when no n-gram
+    recurs. One vectorised comparison per n, no loop over positions."""
+    length = tokens.shape[0]
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        # windows starting at 0 .. length-n-1: every n-gram but the suffix itself
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + k]
+    return tokens[:0]
+
+
+def accepted_lengths(proposals: np.ndarray, num_proposed: np.ndarray, sampled: np.ndarray) -> np.ndarray:
+    """``proposals (seqs, k)`` (padded past ``num_proposed (seqs,)``), ``sampled (seqs, k + 1)`` the target's
+    token at each row: how many proposals each sequence keeps (the leading run equal to the target's tokens)."""
+    k = proposals.shape[1]
+    agree = (proposals == sampled[:, :k]) & (np.arange(k) < num_proposed[:, None])
+    # the first disagreement (or the padding after the proposals) ends the run
+    return np.where(agree.all(axis=1), k, np.argmin(agree, axis=1)).astype(np.int64)
+
+
+@dataclass
+class AcceptanceTracker:
+    """One sequence's recent acceptance and its back-off (see the module docstring)."""
+
+    accepted: list[int] = field(default_factory=list)  # tokens accepted per verify step, the last WINDOW
+    paused_steps: int = 0
+    backoff: int = FIRST_BACKOFF
+
+    def wants_proposals(self) -> bool:
+        """Called once per decode step: whether to propose this step."""
+        if self.paused_steps > 0:
+            self.paused_steps -= 1
+            return False
+        return True
+
+    def record(self, num_accepted: int) -> None:
+        self.accepted.append(num_accepted)
+        if len(self.accepted) < WINDOW:
+            return
+        mean = sum(self.accepted) / WINDOW
+        self.accepted.clear()
+        if mean < MIN_MEAN_ACCEPTED:
+            self.paused_steps = self.backoff
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF)
+        else:
+            self.backoff = FIRST_BACKOFF
