@@ -123,8 +123,10 @@ class ActiveRequest:
             self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)  # ours, or a local prefill's
             metrics.PREFIX_QUERIES.labels("decode").inc(len(self.prompt))
             metrics.PREFIX_HITS.labels("decode").inc(self.num_cached_tokens)
-        else:
-            metrics.ITL.observe(now - self.last_token_at)
+        elif out.new_token_ids:  # a speculative verify step may emit several: each gets its share of the gap
+            gap = (now - self.last_token_at) / len(out.new_token_ids)
+            for _ in out.new_token_ids:
+                metrics.ITL.observe(gap)
         self.last_token_at = now
         msg = pb.GenerateResponse(request_id=self.public_id, token_ids=out.new_token_ids, text=out.new_text)
         if out.finished:

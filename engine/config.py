@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvstore.ring import check_streaming
@@ -72,6 +72,20 @@ class EngineConfig(ModelSettings):
     streaming_sinks: int = Field(
         4, ge=0, description="StreamingLLM's attention sinks: leading tokens kept beside the window (< the window)"
     )
+
+    speculative_config: dict[str, Any] | None = Field(
+        None,
+        description='speculative decoding, as vLLM spells it: JSON such as {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; none: off',
+    )
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative(cls, value: object) -> dict[str, Any] | None:
+        from engine.speculative import SpeculativeConfig
+
+        config = SpeculativeConfig.parse(value)  # (a flag or variable brings JSON text)
+        return None if config is None else config.as_dict()
 
     @model_validator(mode="after")
     def _check_streaming(self) -> EngineConfig:

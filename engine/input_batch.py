@@ -98,14 +98,17 @@ class StagingBuffer:
 
 @dataclass
 class StepInputs:
-    """Device tensors of one step. ``logit_rows (sampled,)``: the rows of the last token of every sequence
-    that samples this step, in batch order; ``sampled``: those sequences' batch indices."""
+    """Device tensors of one step. ``logit_rows``: the rows whose logits are sampled, in batch order: the last
+    token of every sequence that samples this step, and for a speculating one (``engine.speculative``) the
+    row of its last real token and of each proposal (``logit_counts``: how many rows each sampled sequence
+    has); ``sampled``: those sequences' batch indices."""
 
     input_ids: torch.Tensor  # (tokens,) int64
     positions: torch.Tensor  # (tokens,) int64
     meta: AttentionMetadata
-    logit_rows: torch.Tensor  # (sampled,) int64
+    logit_rows: torch.Tensor  # (rows,) int64
     sampled: list[int]
+    logit_counts: list[int]
 
 
 def stage_step(
@@ -116,8 +119,10 @@ def stage_step(
     counts = np.asarray(num_new_tokens, dtype=np.int64)
     starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
     ends = starts + counts
-    totals = np.fromiter((s.num_tokens for s in seqs), np.int64, num_seqs)
+    num_proposed = np.fromiter((len(s.spec_token_ids) for s in seqs), np.int64, num_seqs)
+    totals = np.fromiter((s.num_tokens for s in seqs), np.int64, num_seqs) + num_proposed
     sampled = np.flatnonzero(ends == totals)
+    logit_counts = 1 + num_proposed[sampled]
     num_tokens = int(counts.sum())
     width = max(len(s.block_table) for s in seqs)
     rings = None  # (seqs, 4) kernel rows when some sequence attends over a window (``kvstore.ring``)
@@ -127,7 +132,7 @@ def stage_step(
         ("input_ids", np.int64, (num_tokens,)),
         ("positions", np.int64, (num_tokens,)),
         ("slot_mapping", np.int64, (num_tokens,)),
-        ("logit_rows", np.int64, (len(sampled),)),
+        ("logit_rows", np.int64, (int(logit_counts.sum()),)),
         ("seq_lens", np.int32, (num_seqs,)),
         ("cu_seqlens_q", np.int32, (num_seqs + 1,)),
         ("block_tables", np.int32, (num_seqs, width)),
@@ -143,12 +148,16 @@ def stage_step(
     for i, seq in enumerate(seqs):
         tables[i, : len(seq.block_table)] = seq.block_table
         if i >= num_decodes:
-            ids[cu[i] : cu[i + 1]] = seq.token_ids[starts[i] : ends[i]]
+            if seq.spec_token_ids:  # its last token, then its proposals
+                ids[cu[i] : cu[i + 1]] = [*seq.token_ids[starts[i] :], *seq.spec_token_ids]
+            else:
+                ids[cu[i] : cu[i + 1]] = seq.token_ids[starts[i] : ends[i]]
     rows = np.repeat(np.arange(num_seqs), counts)
     positions = np.arange(num_tokens) + (starts - cu[:-1])[rows]
     host["positions"][:] = positions
     host["slot_mapping"][:] = batch_slots(tables, rows, positions, block_size, None if rings is None else rings[rows])
-    host["logit_rows"][:] = cu[1:][sampled] - 1
+    # each sampled sequence's last logit_counts rows
+    host["logit_rows"][:] = np.repeat(cu[1:][sampled] - logit_counts, logit_counts) + _ranks(logit_counts)
     ring = None
     if rings is not None:
         host["ring"][:] = rings
@@ -164,7 +173,14 @@ def stage_step(
         max_q_len=int(counts.max()),
         ring=ring,
     )
-    return StepInputs(dev["input_ids"], dev["positions"], meta, dev["logit_rows"], sampled.tolist())
+    return StepInputs(dev["input_ids"], dev["positions"], meta, dev["logit_rows"], sampled.tolist(),
+                      logit_counts.tolist())
+
+
+def _ranks(counts: np.ndarray) -> np.ndarray:
+    """0, 1, .., counts[0] - 1, 0, 1, .., counts[1] - 1, ...: each element's rank within its group."""
+    starts = np.cumsum(counts) - counts
+    return np.arange(int(counts.sum())) - np.repeat(starts, counts)
 
 
 class PaddedDecodeInputs:

@@ -28,6 +28,7 @@ from engine.outputs import RequestOutput, StepError
 from engine.sampling_params import SamplingParams, check_token_ids
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
+from engine.speculative import SpeculativeConfig, Speculator
 from engine.tier_connector import build_tiers
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvstore import BlockManager
@@ -60,11 +61,23 @@ class LLMEngine:
         self.connector = self.tiers or KVConnector()
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.connector)  # fmt: skip
+        self.speculator = self._speculator(SpeculativeConfig.parse(self.config.speculative_config))
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
+
+    def _speculator(self, config: SpeculativeConfig | None) -> Speculator | None:
+        if config is None:
+            return None
+        draft = None
+        if config.method == "draft":
+            from engine.draft_model import DraftProposer
+
+            draft = DraftProposer(config.model, config.num_speculative_tokens, self.config, self.model_config,
+                                  self.tokenizer, self.runner.num_blocks)  # fmt: skip
+        return Speculator(config, self.max_model_len, draft)
 
     def close(self) -> None:
         if self.tiers is not None:
@@ -229,42 +242,71 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch, then take in the KV loads that finished; an output for each request that got a token
         or ended (``kv_transfer_expired``). Raises StepError (the loads then wait for the next step)."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         outputs = self._run(batch) if batch.seqs else []
         for seq, token in self.scheduler.finish_loads(self.connector.finished_loads()):
             self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            outputs.append(self._append_token(seq, token))
+            outputs.append(self._append_tokens(seq, [token]))
         return outputs
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         try:
             self.connector.start_loads(batch.admitted)
-            tokens = self.runner.execute(batch)
+            sampled = self.runner.execute(batch)
             failed = self.connector.save(batch.seqs, batch.num_new_tokens)
         except Exception as err:
+            for seq in batch.seqs:
+                seq.spec_token_ids.clear()
             raise StepError([seq.seq_id for seq in batch.seqs], err) from err
         outputs = []
         for seq in failed:  # its KV may be incomplete there, or was read past the right to: keep nothing
             self.scheduler.finish(seq, TRANSFER_EXPIRED)
             self._sequences.pop(seq.seq_id, None)
             outputs.append(self._output(seq, []))
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens, strict=True):
+        accepted = self._verify(batch.seqs, sampled)
+        for i, (seq, n, tokens) in enumerate(zip(batch.seqs, batch.num_new_tokens, sampled, strict=True)):
             if seq.is_finished:
                 continue
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            if token is not None:
-                outputs.append(self._append_token(seq, token))
+            if i in accepted:  # a verify step: its last token and its first a proposals have right KV
+                a = accepted[i]
+                tokens = tokens[: a + 1]
+                seq.num_computed_tokens += n - (len(seq.spec_token_ids) - a)
+                held = [*seq.token_ids, *tokens[:a]]  # (== its token ids once the run is appended)
+                seq.spec_token_ids.clear()
+                self.block_manager.truncate(seq.seq_id, len(held) + 1)  # the rejected proposals' blocks go
+                seq.block_table = self.block_manager.block_table_array(seq.seq_id)
+                self.block_manager.cache_full_blocks(seq.seq_id, held, seq.num_computed_tokens)
+            else:
+                seq.num_computed_tokens += n
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if tokens:
+                outputs.append(self._append_tokens(seq, tokens))
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
-        seq.token_ids.append(token)
-        new_text = seq.detokenizer.add([token])
-        reason = self._check_stop(seq, token, new_text)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            self._sequences.pop(seq.seq_id, None)
-        return self._output(seq, [token])
+    def _verify(self, seqs: list[Sequence], sampled: list[list[int]]) -> dict[int, int]:
+        """Batch index -> proposals kept, for each speculating sequence of the step (``engine.speculative``)."""
+        speculating = [i for i, seq in enumerate(seqs) if seq.spec_token_ids and not seq.is_finished]
+        if not speculating:
+            return {}
+        kept = self.speculator.verify([seqs[i] for i in speculating], [sampled[i] for i in speculating])
+        return dict(zip(speculating, kept, strict=True))
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        """Append ``tokens`` one by one until one ends the request (a stop token or string, ``max_tokens``):
+        nothing after it is ever emitted."""
+        appended = []
+        for token in tokens:
+            seq.token_ids.append(token)
+            appended.append(token)
+            new_text = seq.detokenizer.add([token])
+            reason = self._check_stop(seq, token, new_text)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self._sequences.pop(seq.seq_id, None)
+                break
+        return self._output(seq, appended)
 
     def _check_stop(self, seq: Sequence, token: int, new_text: str) -> str | None:
         params = seq.params

@@ -93,21 +93,36 @@ class ModelRunner:
         return self.kv_cache.num_blocks
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int | None]:
-        """Run one step; return the sampled token for each sequence that reached its end, else None."""
+    def execute(self, batch: ScheduledBatch) -> list[list[int]]:
+        """Run one step; return the sampled tokens of each sequence that reached its end ([] for the others):
+        one token, or for a speculating sequence the target's token at its last token and at each proposal
+        (``engine.speculative`` verifies them)."""
         seqs = batch.seqs
         decoded = self._decode_padded(seqs) if batch.num_decodes == len(seqs) else None
         if decoded is not None:
             logits, sampled = decoded
+            counts = None
         else:
             step = stage_step(self.staging, seqs, batch.num_new_tokens, batch.num_decodes, self.block_size)
             hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.meta)
             sampled = step.sampled
             logits = self.model.compute_logits(hidden[step.logit_rows]) if sampled else None
-        out: list[int | None] = [None] * len(seqs)
-        if sampled:
+            counts = step.logit_counts if len(step.logit_counts) < step.logit_rows.shape[0] else None
+        out: list[list[int]] = [[] for _ in seqs]
+        if not sampled:
+            return out
+        if counts is None:  # one row per sampled sequence
             for i, token in zip(sampled, self._sample(logits, [seqs[i] for i in sampled]), strict=True):
-                out[i] = token
+                out[i] = [token]
+            return out
+        # a verify step: row j of a speculating sequence samples the token after its first j proposals
+        rows = [(seqs[i], j) for i, n in zip(sampled, counts, strict=True) for j in range(n)]
+        tokens = self._sample(logits, [seq for seq, _ in rows], [seq.num_tokens + j for seq, j in rows],
+                              [seq.spec_token_ids[:j] for seq, j in rows])  # fmt: skip
+        start = 0
+        for i, n in zip(sampled, counts, strict=True):
+            out[i] = tokens[start : start + n]
+            start += n
         return out
 
     def _decode_padded(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
@@ -131,9 +146,11 @@ class ModelRunner:
             return logits[: len(seqs)], sampled
         return logits[torch.tensor(sampled, dtype=torch.int64, device=self.device)], sampled
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """Sample on the device, then read the tokens back in one copy (into pinned memory on CUDA)."""
-        tokens = self.sampler(logits, seqs)
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int] | None = None,
+                seen_after: list[list[int]] | None = None) -> list[int]:  # fmt: skip
+        """Sample on the device (``Sampler``), then read the tokens back in one copy (into pinned memory on
+        CUDA)."""
+        tokens = self.sampler(logits, seqs, positions, seen_after)
         if self._tokens_host.shape[0] < len(seqs):  # a batch wider than max_num_seqs: grow (never expected)
             self._tokens_host = self._pinned_tokens(2 * len(seqs))
         host = self._tokens_host[: len(seqs)]

@@ -113,9 +113,13 @@ class Sampler:
         draw of this sampler's RNG."""
         return to_int64(self._seeds.getrandbits(64) if seed is None else seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[SampledSequence]) -> torch.Tensor:
-        """``logits (rows, vocab)`` float32, row i for ``seqs[i]`` (which samples its token number
-        ``seqs[i].num_tokens``) -> ``(rows,)`` int64 on ``logits.device``. ``logits`` is left unchanged."""
+    def __call__(self, logits: torch.Tensor, seqs: list[SampledSequence], positions: list[int] | None = None,
+                 seen_after: list[list[int]] | None = None) -> torch.Tensor:  # fmt: skip
+        """``logits (rows, vocab)`` float32, row i for ``seqs[i]`` -> ``(rows,)`` int64 on ``logits.device``.
+        Row i samples token number ``positions[i]`` (default ``seqs[i].num_tokens``), having seen
+        ``seqs[i].token_ids`` and then ``seen_after[i]`` (default nothing more): a speculative verify step
+        (``engine.speculative``) samples several rows of one sequence, each after more of its proposals.
+        ``logits`` is left unchanged."""
         params = [s.params for s in seqs]
         penalized = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         sampling = [i for i, p in enumerate(params) if p.temperature != 0]
@@ -126,20 +130,26 @@ class Sampler:
             slots, cleared, pair_slots, pair_tokens = self._seen.plan([seqs[i] for i in penalized])
             packed.add_ints(penalized, slots, cleared, pair_slots, pair_tokens)
             packed.add_floats([params[i].repetition_penalty for i in penalized])
+            after = [] if seen_after is None else [seen_after[i] for i in penalized]
+            packed.add_ints([r for r, tokens in enumerate(after) for _ in tokens], [t for ts in after for t in ts])
         filtered = False
         if sampling:
             rows, settings = [seqs[i] for i in sampling], [params[i] for i in sampling]
             # top-k 0, or past the vocabulary, keeps every token
             top_k = [p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size for p in settings]
             filtered = any(k < self.vocab_size or p.top_p < 1.0 for k, p in zip(top_k, settings, strict=True))
-            packed.add_ints(sampling, [s.sampling_seed for s in rows], [s.num_tokens for s in rows], top_k)
+            sampled_at = [s.num_tokens for s in rows] if positions is None else [positions[i] for i in sampling]
+            packed.add_ints(sampling, [s.sampling_seed for s in rows], sampled_at, top_k)
             packed.add_floats([p.temperature for p in settings], [p.top_p for p in settings])
         on_device = iter(packed.send(self._staging))
 
         if penalized:
-            rows_idx, slots_t, cleared_t, pair_slots_t, pair_tokens_t, penalties = itertools.islice(on_device, 6)
+            rows_idx, slots_t, cleared_t, pair_slots_t, pair_tokens_t, penalties, after_rows, after_tokens = (
+                itertools.islice(on_device, 8))  # fmt: skip
             self._seen.update(cleared_t, pair_slots_t, pair_tokens_t)
-            penalized_logits = _penalize(logits[rows_idx], self._seen.table[slots_t], penalties)
+            seen = self._seen.table[slots_t]  # (penalized rows, vocab), a copy
+            seen[after_rows, after_tokens] = True
+            penalized_logits = _penalize(logits[rows_idx], seen, penalties)
             logits = logits.index_copy(0, rows_idx, penalized_logits)
         if not sampling:
             return logits.argmax(-1)

@@ -26,6 +26,8 @@ class SamplingParams:
 
     ``streaming_window`` and ``streaming_sinks`` (StreamingLLM, ``kvstore.ring``) override the engine's
     options of the same names for this request; None keeps the engine's (``streaming_window=0``: off).
+    ``speculative=False`` turns the engine's speculative decoding off for this request (``engine.speculative``;
+    its tokens are the same either way).
     """
 
     temperature: float = 1.0
@@ -40,6 +42,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     streaming_window: int | None = None
     streaming_sinks: int | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

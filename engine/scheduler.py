@@ -81,7 +81,8 @@ class Scheduler:
         preempted = False
         i = 0
         running = self.running
-        if running and len(running) <= budget and all(s.num_computed_tokens + 1 == s.num_tokens for s in running):
+        if running and len(running) <= budget and all(s.num_computed_tokens + 1 == s.num_tokens
+                                                      and not s.spec_token_ids for s in running):  # fmt: skip
             # Every running sequence decodes: one batched allocation. If one finds no block, the walk below
             # preempts exactly as it would have (the sequences before it already hold their new block).
             grown, starved = self.block_manager.allocate_decode([s.seq_id for s in running],
@@ -95,6 +96,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = seq.num_tokens_to_compute(seq.num_computed_tokens, budget)
+            if seq.spec_token_ids and not self._allocate(seq, seq.num_computed_tokens + n):
+                seq.spec_token_ids.clear()  # no blocks for its proposals: it decodes plainly, preempting no one
+                n = seq.num_tokens_to_compute(seq.num_computed_tokens, budget)
             while not self._allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -185,6 +189,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.connector.preempt(seq)  # its KV is still in its blocks: a swap copies it out now
         self._free(seq)
+        seq.spec_token_ids.clear()
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

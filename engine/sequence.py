@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
 from kvstore.ring import RingSpec
+
+if TYPE_CHECKING:
+    from engine.speculative import AcceptanceTracker
 
 
 class SequenceStatus(enum.Enum):
@@ -50,6 +53,10 @@ class Sequence:
     num_external_tokens: int = 0  # tokens the KV connector loaded from outside at the first admission
     kv_params: Any = None  # the KV connector's own data about this request; the engine never reads it
     ring: RingSpec | None = None  # attends over sinks + a window through a ring of blocks (``kvstore.ring``)
+    # speculative decoding (``engine.speculative``): this step's proposals, computed after its last token and
+    # verified in the same step; and its recent acceptance (None: it does not speculate)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_tracker: AcceptanceTracker | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -78,6 +85,9 @@ class Sequence:
 
     def num_tokens_to_compute(self, start: int, budget: int) -> int:
         """Tokens to compute from position ``start`` in a step with ``budget`` tokens left: the rest of the
-        sequence within the budget, and within what its ring holds at once (``RingSpec.max_chunk``)."""
-        n = min(self.num_tokens - start, budget)
+        sequence and its proposals within the budget, and within what its ring holds at once
+        (``RingSpec.max_chunk``). Proposals that do not fit the budget are dropped."""
+        n = min(self.num_tokens + len(self.spec_token_ids) - start, budget)
+        if self.spec_token_ids:
+            del self.spec_token_ids[max(0, start + n - self.num_tokens) :]
         return n if self.ring is None else min(n, self.ring.max_chunk(start))

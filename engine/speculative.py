@@ -32,9 +32,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from engine.draft_model import DraftProposer
 
 MAX_SPECULATIVE_TOKENS = 16
 _FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
@@ -156,3 +159,79 @@ class AcceptanceTracker:
             self.backoff = min(2 * self.backoff, MAX_BACKOFF)
         else:
             self.backoff = FIRST_BACKOFF
+
+
+@dataclass
+class SpecStats:
+    """What one engine's speculation did (``kvserve_spec_*`` metrics)."""
+
+    method: str
+    num_verify_steps: int = 0  # a sequence's proposals verified in one step
+    num_proposed: int = 0
+    num_accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Proposals accepted per verify step (each verify step also emits the target's own next token)."""
+        return self.num_accepted / self.num_verify_steps if self.num_verify_steps else 0.0
+
+
+class Speculator:
+    """Proposes tokens for decoding sequences before a step and verifies them after it (module docstring)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: DraftProposer | None = None) -> None:
+        if (config.method == "draft") != (draft is not None):
+            raise ValueError("a draft proposer goes with method 'draft', and only with it")
+        self.config = config
+        self.max_model_len = max_model_len
+        self.draft = draft
+        self.stats = SpecStats(config.method)
+
+    def propose(self, running: list) -> None:
+        """Set ``spec_token_ids`` of each sequence in ``running`` that decodes this step and speculates."""
+        config = self.config
+        wanted = []  # (sequence, how many tokens it may take)
+        for seq in running:
+            if seq.num_computed_tokens + 1 != seq.num_tokens or seq.ring is not None or not seq.params.speculative:
+                continue
+            if seq.spec_tracker is None:
+                seq.spec_tracker = AcceptanceTracker()
+            if not seq.spec_tracker.wants_proposals():
+                continue
+            # no proposal past max_tokens (a verify step emits one token more than it accepts) or the context
+            k = min(config.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens)  # fmt: skip
+            if k > 0:
+                wanted.append((seq, k))
+        if self.draft is not None:
+            self.draft.forget_all_but({seq.seq_id for seq in running})  # finished and preempted ones
+            if wanted:
+                self.draft.propose(wanted)
+            return
+        for seq, k in wanted:
+            tokens = np.fromiter(seq.token_ids, np.int64, seq.num_tokens)
+            seq.spec_token_ids = ngram_proposal(tokens, k, config.prompt_lookup_min,
+                                                config.prompt_lookup_max).tolist()  # fmt: skip
+
+    def verify(self, seqs: list, sampled: list[list[int]]) -> list[int]:
+        """For speculating ``seqs`` and the target's tokens at each of their rows: how many proposals each
+        keeps. Records the acceptance (stats, each sequence's tracker)."""
+        k = max(len(seq.spec_token_ids) for seq in seqs)
+        proposals = np.zeros((len(seqs), k), dtype=np.int64)
+        targets = np.zeros((len(seqs), k + 1), dtype=np.int64)
+        for i, (seq, tokens) in enumerate(zip(seqs, sampled, strict=True)):
+            proposals[i, : len(seq.spec_token_ids)] = seq.spec_token_ids
+            targets[i, : len(tokens)] = tokens
+        num_proposed = np.fromiter((len(seq.spec_token_ids) for seq in seqs), np.int64, len(seqs))
+        accepted = accepted_lengths(proposals, num_proposed, targets).tolist()
+        stats = self.stats
+        stats.num_verify_steps += len(seqs)
+        stats.num_proposed += int(num_proposed.sum())
+        stats.num_accepted += sum(accepted)
+        for seq, a in zip(seqs, accepted, strict=True):
+            seq.spec_tracker.record(a)
+        return accepted

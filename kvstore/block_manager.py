@@ -249,6 +249,23 @@ class BlockManager:
             taken += need
         return [i for i, _ in needs[:num_fit]], [i for i, _ in needs[num_fit:]]
 
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Release ``seq_id``'s blocks past those its first ``num_tokens`` tokens need (a verify step's rejected
+        proposals, ``engine.speculative``), tail first. Those blocks were never cached: a block is cached only
+        once its tokens are computed, and rejected tokens never count as computed. The table gets new memory,
+        so that arrays handed out before keep their entries (``block_table_array``)."""
+        holding = self._holdings[seq_id]
+        keep = self.num_blocks_for(num_tokens)
+        if holding.ring is not None or keep >= len(holding.blocks):
+            return
+        released = holding.blocks[keep:]
+        assert len(holding.hashes) <= keep, "a cached block past the tokens kept"
+        del holding.blocks[keep:]
+        holding.table = holding.table[:keep].copy()
+        holding.view = holding.table[:keep]
+        holding.view.flags.writeable = False
+        self.pool.release(reversed(released))
+
     def block_table(self, seq_id: str) -> list[int]:
         holding = self._holdings.get(seq_id)
         return [] if holding is None else holding.table[: len(holding.blocks)].tolist()

@@ -4,7 +4,8 @@ usage, errors).
 
 Field names follow OpenAI and vLLM: ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``,
 ``top_p``, ``top_k``, ``seed``, ``stop`` (a string or a list), ``stop_token_ids``, ``ignore_eos``,
-``repetition_penalty``, and kvserve's StreamingLLM options ``streaming_window`` and ``streaming_sinks``.
+``repetition_penalty``, kvserve's StreamingLLM options ``streaming_window`` and ``streaming_sinks``, and
+``speculative`` (false: no speculative decoding for this request).
 Unknown fields are ignored, as OpenAI clients send some we do not serve (``user``).
 Only types are checked here; every rule on values lives in ``rpc.validation``, which the router applies
 to the ``pb.GenerateRequest`` built here, so both doors refuse the same requests with the same message.
@@ -51,6 +52,7 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     streaming_window: int | None = None
     streaming_sinks: int | None = None
+    speculative: bool | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -61,7 +63,8 @@ class _Common(BaseModel):
         return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                 "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
                 "ignore_eos": self.ignore_eos, "repetition_penalty": self.repetition_penalty,
-                "streaming_window": self.streaming_window, "streaming_sinks": self.streaming_sinks}  # fmt: skip
+                "streaming_window": self.streaming_window, "streaming_sinks": self.streaming_sinks,
+                "speculative": self.speculative}  # fmt: skip
 
     @property
     def include_usage(self) -> bool:

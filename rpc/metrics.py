@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -71,6 +71,8 @@ def export_state(role: str, load: Callable[[], dict[str, int]], engine: LLMEngin
         _STATE.labels(role, "kv_host_blocks_cached").set_function(lambda: len(host.entries))
         _STATE.labels(role, "kv_host_blocks_free").set_function(lambda: host.num_free_slots)
         REGISTRY.register(_TierCounts(role, engine.tiers.stats))
+    if engine.speculator is not None:
+        REGISTRY.register(_SpecCounts(role, engine.speculator.stats))
 
 
 class _PreemptionCount(Collector):
@@ -108,6 +110,32 @@ class _TierCounts(Collector):
         preempted.add_metric([self.role, "swap"], stats.swapped_out)
         preempted.add_metric([self.role, "recompute"], stats.recomputed)
         yield from (hits, moved, preempted)
+
+
+class _SpecCounts(Collector):
+    """Speculative decoding's counters and ratios (``engine.speculative.SpecStats``), read at scrape time."""
+
+    def __init__(self, role: str, stats) -> None:
+        self.role, self.stats = role, stats
+
+    def collect(self):
+        stats, labels = self.stats, [self.role, self.stats.method]
+        for name, value, help_text in (
+            ("kvserve_spec_verify_steps", stats.num_verify_steps, "Sequences' proposals verified, one per step"),
+            ("kvserve_spec_proposed_tokens", stats.num_proposed, "Tokens proposed for verification"),
+            ("kvserve_spec_accepted_tokens", stats.num_accepted, "Proposed tokens the target model accepted"),
+        ):  # fmt: skip
+            family = CounterMetricFamily(name, help_text, labels=["role", "method"])
+            family.add_metric(labels, value)
+            yield family
+        for name, value, help_text in (
+            ("kvserve_spec_acceptance_rate", stats.acceptance_rate, "Accepted / proposed tokens so far"),
+            ("kvserve_spec_mean_accepted_length", stats.mean_accepted_length,
+             "Proposed tokens accepted per verify step so far (each also emits the target's own next token)"),
+        ):  # fmt: skip
+            family = GaugeMetricFamily(name, help_text, labels=["role", "method"])
+            family.add_metric(labels, value)
+            yield family
 
 
 def count_prefill_tokens(num_prompt: int, num_own_cached: int, num_dest_read: int) -> None:

@@ -15,7 +15,7 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 API_KEY_ENV = "KVSERVE_API_KEY"  # the router's API key, and the one its clients send by default
 Prompt = str | list[int] | list[dict[str, str]]
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "streaming_window",
-             "streaming_sinks")  # fmt: skip
+             "streaming_sinks", "speculative")  # fmt: skip
 
 
 def build_request(
@@ -32,13 +32,14 @@ def build_request(
     repetition_penalty: float | None = None,
     streaming_window: int | None = None,
     streaming_sinks: int | None = None,
+    speculative: bool | None = None,
     request_id: str = "",
 ) -> pb.GenerateRequest:
     """``prompt`` is text, token ids or chat messages (``{"role", "content"}`` dicts); ``None`` options stay
     unset, so the server applies its defaults."""
     values = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
               "repetition_penalty": repetition_penalty, "streaming_window": streaming_window,
-              "streaming_sinks": streaming_sinks}  # fmt: skip
+              "streaming_sinks": streaming_sinks, "speculative": speculative}  # fmt: skip
     sampling = pb.SamplingOptions(
         stop=[stop] if isinstance(stop, str) else list(stop or []),
         stop_token_ids=list(stop_token_ids or []),

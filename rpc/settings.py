@@ -81,6 +81,8 @@ def _argument(model_cls: type[BaseSettings], name: str) -> tuple[list[str], dict
         options |= {"action": "append", "help": options["help"][:-1] + ", a JSON list)"}
     elif kind in (int, float):
         options["metavar"] = "N" if kind is int else "X"
+    elif typing.get_origin(kind) is dict:
+        options["metavar"] = "JSON"
     return [flag_name(name)], options
 
 

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Every GPU check of issue 8 (and of issues 3 and 4) in one run, for a session lent an NVIDIA GPU (the device tool).
 #   here first:  bash scripts/gpu_wheels.sh          (the packages the GPU machine lacks, into .whl/)
+#                pytest -m soak tests/test_gpu_check_script.py   (every step's command line, on the CPU)
 #   then:        device run, command "bash scripts/gpu_check.sh", carry [".whl"], timeout_s 560
 # Each step runs under its own limit (seconds; 520 together, so that with the wheels' install the command
 # takes at most 9 minutes; the machine's start comes on top); its output is also written to $OUT/<step>.txt.
 #   kernels-bench  55  decode tile-config sweep (bf16, int8_v, int8 at batch 64, ctx 8192, 32:8, d128; bf16
 #                      d128 ctx 2048 and d64): INT8 vs bf16, and _MEASURED_CONFIGS entries for this GPU
-#   gpu-tests     165  every test marked gpu under tests/ (kernels in bf16 at large shapes, graphs vs eager,
+#   gpu-tests     150  every test marked gpu under tests/ (kernels in bf16 at large shapes, graphs vs eager,
 #                      the engine vs transformers, launches per layer, cuda_ipc, a 1P+1D cluster on the GPU)
 #   cuda-ipc       20  kvserve bench cuda_ipc: a 2,048-token Qwen2-0.5B KV into another process's pool
 #   random-model   25  a random Qwen2-0.5B (24 layers, bf16) in /tmp/qwen2-0.5b
-#   offline       110  kvserve bench offline: a profile of decode steps (launches per layer, GPU busy; eager
+#   offline       100  kvserve bench offline: a profile of decode steps (launches per layer, GPU busy; eager
 #                      and CUDA graphs), then batches of 1, 64, 256 prompts of 128 tokens, 256 new tokens
 #                      each: the engine against transformers' static cache + torch.compile (which
 #                      compiles per batch size, so batch 256 runs the engine alone, as in issue 8's table)
@@ -19,6 +20,9 @@
 #   nano-vllm      35  nano-vllm's workload (256 requests, 100-1,024 tokens in and out), the engine alone
 #   cluster        70  kvserve bench serve --device cuda: TTFT/TPOT of a 1P+1D cluster on this GPU against the
 #                      offline engine, and the KV hand-off of a 2,048-token prompt
+#   spec           25  kvserve bench offline --speculative ngram on that random model (token-id copy prompts; its
+#                      random weights seldom copy, so this is mostly the verify step's cost on a GPU; verify
+#                      steps run eagerly: their query lengths vary with each sequence's proposals)
 #   tiers          15  kvserve bench tiers --bandwidth-only: the host KV tier's store (device -> pinned host)
 #                      and load (back) GB/s for 16, 128, 1,024 blocks of that model, against a plain copy
 # GPU_CHECK_SMOKE=1 (tests/test_gpu_check_script.py, on a CPU) runs the same command lines with tiny sizes
@@ -33,12 +37,12 @@ if [ "$smoke" = 1 ]; then
     model=${GPU_CHECK_MODEL:?GPU_CHECK_SMOKE=1 needs GPU_CHECK_MODEL, a small model directory}
     batch_sizes=1,2 prompt_len=8 max_tokens=4 profile_batch=2 profile_steps=2 nano_requests=3 nano_lengths=4,8
     device=cpu transfer_tokens=64 tier_blocks=4,8
-    gpu_tests=tests/test_cuda_graph.py  # (collecting all of tests/ takes ~10 s of a CPU to run no test)
+    gpu_tests=tests/test_cuda_graph.py spec_tokens=8  # (collecting all of tests/ takes ~10 s of a CPU to run no test)
     export PYTHONPATH=. PYTHONUNBUFFERED=1
 else
     model=/tmp/qwen2-0.5b
     batch_sizes=1,64,256 prompt_len=128 max_tokens=256 profile_batch=64 profile_steps=10 nano_requests=256
-    nano_lengths=100,1024 device=cuda transfer_tokens=2048 tier_blocks=16,128,1024 gpu_tests=tests
+    nano_lengths=100,1024 device=cuda transfer_tokens=2048 tier_blocks=16,128,1024 gpu_tests=tests spec_tokens=64
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || { echo "carry .whl (bash scripts/gpu_wheels.sh)"; exit 1; }
     export PYTHONPATH=".:/tmp/site" PYTHONUNBUFFERED=1
@@ -78,14 +82,16 @@ step() {  # step NAME SECONDS [--smoke-parse] -m MODULE ARGS...
   "$py" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
 } 2>&1 | tee "$out/machine.txt"
 step kernels-bench 55 -m kernels.bench --sweep-only
-step gpu-tests 165 -m pytest -q -s -rs -m gpu -p no:cacheprovider "$gpu_tests"
+step gpu-tests 150 -m pytest -q -s -rs -m gpu -p no:cacheprovider "$gpu_tests"
 step cuda-ipc 20 -m kvserve.bench.cuda_ipc
 step random-model 25 --smoke-parse -m kvserve.cli model random --like qwen2-0.5b --out "$model" --dtype bfloat16
-step offline 110 -m kvserve.bench.offline --model "$model" --baseline hf-static --batch-sizes "$batch_sizes" \
+step offline 100 -m kvserve.bench.offline --model "$model" --baseline hf-static --batch-sizes "$batch_sizes" \
     --baseline-max-batch 64 --prompt-len "$prompt_len" --max-tokens "$max_tokens" --profile \
     --profile-batch "$profile_batch" --profile-steps "$profile_steps"
 step nixl 25 --smoke-parse -m kvserve.bench.transfer --device "$device" --model "$model" --tokens "$transfer_tokens" --repeats 3
 step nano-vllm 35 -m kvserve.bench.offline --model "$model" --baseline none --workload nano-vllm \
     --nano-requests "$nano_requests" --nano-lengths "$nano_lengths"
 step cluster 70 --smoke-parse -m kvserve.bench.serve --device cuda --model "$model"
+step spec 25 -m kvserve.bench.offline --speculative ngram --model "$model" --max-tokens "$spec_tokens" \
+    --spec-rounds 1
 step tiers 15 -m kvserve.bench.tiers --bandwidth-only --device "$device" --model "$model" --blocks "$tier_blocks"

@@ -11,6 +11,8 @@ from kvserve.cli import main
 from kvstore.ring import RingSpec
 
 
+# on demand (~9 s): pytest -m soak tests/test_bench_ring.py; test_streaming.py checks the ring's flat memory
+@pytest.mark.soak
 def test_ring_bench_writes_its_plot_and_its_ring_stays_flat(tmp_path, capsys):
     png, out = tmp_path / "ring.png", tmp_path / "ring.json"
     main(["bench", "ring", "--tokens", "96", "--every", "32", "--sinks", "4", "--window", "28", "--ppl-tokens", "160",

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from cluster_utils import cluster, discard
+from cluster_utils import cluster, discard, prometheus_values
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from waiting import wait_until
@@ -21,11 +21,13 @@ from rpc.auth import Security
 from rpc.identity import Identity
 
 GREEDY = {"temperature": 0, "max_tokens": 32, "ignore_eos": True}
+# the module's decode worker speculates, so every answer here also checks that speculation changes no token
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 
 
 @pytest.fixture(scope="module")
 def one_by_one(tmp_path_factory):
-    c = cluster(1, 1, tmp_path_factory.mktemp("logs-1p1d"))
+    c = cluster(1, 1, tmp_path_factory.mktemp("logs-1p1d"), decode_argv=["--speculative-config", NGRAM])
     yield c
     discard(c)
 
@@ -38,6 +40,27 @@ def test_greedy_through_1p1d_equals_offline_engine(one_by_one, engine_prompts, h
             assert result.token_ids == expected[:16]
             assert result.transfer_backend == "shm" and result.prefill_worker == "prefill-0"
             assert result.finish_reason == "length" and result.usage["prompt_tokens"] == len(prompt)
+
+
+def test_the_decode_worker_speculates_on_the_prefill_workers_first_token_and_counts_it(one_by_one, llm):
+    """A copy-heavy prompt: the prefill worker samples the first token, the decode worker proposes and verifies
+    the rest; the answer is the offline engine's (which does not speculate), with and without the option."""
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+    prompt = f"Repeat this code exactly:\n{code}{code}{code}\nRepeated:\n"
+    [offline] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    url = one_by_one.child("decode-0").metrics_url
+    before = prometheus_values(url, "kvserve_spec_accepted_tokens_total")
+    with Client(one_by_one.endpoint, timeout_s=120) as client:
+        served = client.generate(prompt, **GREEDY)
+        middle = prometheus_values(url, "kvserve_spec_accepted_tokens_total")
+        plain = client.generate(prompt, **GREEDY, speculative=False)
+    after = prometheus_values(url, "kvserve_spec_accepted_tokens_total")
+    assert served.token_ids == plain.token_ids == offline.token_ids
+    key = 'method="ngram",role="decode"'
+    assert middle[key] - before.get(key, 0.0) >= 8  # most of the copy was accepted
+    assert after[key] == middle[key]  # the request that turned it off proposed nothing
+    rate = prometheus_values(url, "kvserve_spec_acceptance_rate")[key]
+    assert 0 < rate <= 1
 
 
 def test_seeded_sampling_through_the_cluster_equals_the_offline_engine(one_by_one, llm, engine_prompts):

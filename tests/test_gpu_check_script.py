@@ -31,10 +31,12 @@ def test_script_is_valid_bash():
 def test_step_limits_fit_one_device_call():
     names = [name for name, _ in STEPS]
     assert names == ["kernels-bench", "gpu-tests", "cuda-ipc", "random-model", "offline", "nixl", "nano-vllm",
-                     "cluster", "tiers"]
+                     "cluster", "spec", "tiers"]
     assert sum(int(seconds) for _, seconds in STEPS) <= DEVICE_STEPS_BUDGET_S
 
 
+# on demand (~40 s of ten processes), before a device call: pytest -m soak tests/test_gpu_check_script.py
+@pytest.mark.soak
 def test_smoke_run_starts_every_step_and_each_exits_0(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, GPU_CHECK_SMOKE="1", GPU_CHECK_MODEL=write_tiny_model(tmp_path / "model"),

@@ -214,8 +214,11 @@ def test_clients_reach_only_the_member_they_meant_and_servers_admit_only_the_clu
 
 
 
-@pytest.mark.parametrize("mode", [pytest.param(["--insecure-internal"], marks=pytest.mark.soak),  # ~16 s each
-                                  ["--internal-tls", "false"]], ids=["insecure", "token"])  # fmt: skip
+# ~14 s each, on demand: pytest -m soak tests/test_internal_tls.py (in-process, test_auth.py checks the role
+# tokens of the token-only mode; test_up.py starts kvserve up with its default, internal TLS)
+@pytest.mark.parametrize("mode", [pytest.param(["--insecure-internal"], marks=pytest.mark.soak),
+                                  pytest.param(["--internal-tls", "false"], marks=pytest.mark.soak)],
+                         ids=["insecure", "token"])  # fmt: skip
 def test_kvserve_up_without_internal_tls_still_serves(tmp_path, mode):
     """``--insecure-internal`` (no token, no certificates; it warns) and the token-only mode (each child's role
     credential, no certificates): internal ports are plain, and requests are served through both workers."""

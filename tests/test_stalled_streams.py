@@ -22,7 +22,7 @@ from router.openai_api import HttpServer, create_app
 from rpc import metrics
 from rpc.loop import AsyncioThread
 
-NUM_STREAMS = 300
+NUM_STREAMS = 200
 IDLE_S = 1.0
 
 

@@ -70,13 +70,13 @@ def test_shorter_than_sinks_plus_window_equals_the_full_cache(llm, engine_prompt
 
 def test_past_the_window_the_bundled_model_matches_an_independent_streaming_llm(llm, hf_model, engine_prompts,
                                                                                   hf_greedy):
-    """A 100-token prompt (prefilled in chunks through the ring) and 40 new tokens with sinks 4 + window 32:
+    """A 100-token prompt (prefilled in chunks through the ring) and 24 new tokens with sinks 4 + window 32:
     the engine's tokens are those of the paper's StreamingLLM over the same cache built by hand."""
     prompt = engine_prompts[5]
-    [out] = llm.generate([prompt], streaming(32, 4, max_tokens=40))
-    expected = streaming_greedy(hf_model, prompt, 40, sinks=4, window=32)
+    [out] = llm.generate([prompt], streaming(32, 4, max_tokens=24))
+    expected = streaming_greedy(hf_model, prompt, 24, sinks=4, window=32)
     assert out.token_ids == expected
-    assert expected[:32] != hf_greedy[5]  # the window matters here: the full cache's answer differs
+    assert expected != hf_greedy[5][:24]  # the window matters here: the full cache's answer differs
 
 
 @pytest.mark.parametrize("sinks", [2, 0], ids=["sinks", "window-only"])

@@ -5,6 +5,7 @@
         [--batch-sizes 1,64,256 --prompt-len 128 --max-tokens 256]         one row per batch size
         [--workload nano-vllm [--nano-requests 256 --nano-lengths 100,1024]]
         [--profile [--profile-batch 64 --profile-steps 10]]
+    kvserve bench offline --speculative ngram [--spec-tokens 4 --max-tokens 128 --spec-rounds 3]
     kvserve bench offline --tiny [--batch-sizes 1,64,256 --tiny-prompt-len 16 --tiny-steps 48 --tiny-rounds 5]
         [--tiny-cpu-time]
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import sys
 import time
 
 import torch
@@ -195,6 +197,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tiny-rounds", type=int, default=5)
     parser.add_argument("--tiny-cpu-time", action="store_true", help="time CPU time, not wall (a busy machine)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--speculative", choices=["ngram"], default=None,
+                        help="speculative decoding against none instead (kvserve.bench.speculative; its own flags)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                         help="share of the GPU's total memory for the engine (transformers: the rest)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -206,6 +210,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    spec = [i for i, a in enumerate(argv) if a == "--speculative" or a.startswith("--speculative=")]
+    if spec:  # its own workloads and flags (the method is checked by parse_args' choices first)
+        from kvserve.bench import speculative
+
+        at = spec[0]
+        span = 1 if "=" in argv[at] else 2
+        parse_args(argv[at : at + span])
+        speculative.main(argv[:at] + argv[at + span :])
+        return
     args = parse_args(argv)
     if args.tiny:
         tiny_table(args.batch_sizes or [1, 64, 256], args.tiny_prompt_len, args.tiny_steps, args.tiny_rounds,

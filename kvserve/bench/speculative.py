@@ -1,0 +1,130 @@
+"""What speculative decoding buys: tokens/s with n-gram prompt lookup against the same engine without it.
+
+    kvserve bench offline --speculative ngram [--spec-tokens 4] [--max-tokens 128] [--spec-rounds 3]
+        [--model M] [--save-result spec.json]
+
+Two engines of the same model, one with ``speculative_config={"method": "ngram", "num_speculative_tokens":
+k}``, run the same greedy requests, alternating side by side round by round (this machine drifts; each
+round runs both). Workloads:
+
+* **copy, batch 1**: prompts that ask to repeat or lightly edit a passage of prose or code, one at a time
+  (a model without a tokenizer, such as ``kvserve model random``'s, gets a random passage of token ids
+  twice and then its first half instead);
+* **copy, batch 8**: the same prompts eight at a time;
+* **random text, batch 1**: prompts of random token ids, whose answers seldom repeat their input (the
+  off-switch keeps the cost of wrong guesses low).
+
+Reported per workload: output tokens/s of each side (median over rounds) and their ratio, the acceptance
+rate, the mean accepted length (proposals accepted per verify step), and that both sides produced the same
+tokens. Targets (issue "Speculative decoding"): copy batch 1 >= 1.5x, random text >= 0.95x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from kvserve.bench import report
+
+_PASSAGES = (
+    "def merge(left, right):\n    out = []\n    while left and right:\n        out.append(left.pop(0) if "
+    "left[0] <= right[0] else right.pop(0))\n    return out + left + right\n",
+    "The committee met on Tuesday to review the budget. After a long discussion, it approved the new "
+    "library, the repairs to the bridge and the extra hours at the clinic.",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def norm(self):\n"
+    "        return (self.x ** 2 + self.y ** 2) ** 0.5\n",
+    "Water boils at 100 degrees Celsius at sea level. At higher altitudes the air pressure is lower, so "
+    "water boils at a lower temperature and food takes longer to cook.",
+)
+_ASKS = ("Repeat the following text exactly.\n\n{p}\nRepeated:\n",
+         "Copy this code, renaming nothing:\n{p}\nCopy:\n",
+         "Here is a passage:\n{p}\nWrite it out again word for word:\n")  # fmt: skip
+
+
+def copy_prompts(count: int) -> list[str]:
+    return [_ASKS[i % len(_ASKS)].format(p=_PASSAGES[i % len(_PASSAGES)]) for i in range(count)]
+
+
+def copy_token_prompts(count: int, vocab: int, length: int = 48, seed: int = 1) -> list[list[int]]:
+    """Token-id copy prompts for a model without a tokenizer: a passage, the passage again, its first half."""
+    passages = random_prompts(count, vocab, length, seed)
+    return [p + p + p[: length // 2] for p in passages]
+
+
+def random_prompts(count: int, vocab: int, length: int = 64, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def _timed(llm, prompts, params, batch: int) -> tuple[float, int, list[list[int]]]:
+    """(seconds, output tokens, outputs) of ``prompts`` sent ``batch`` at a time."""
+    start, tokens, outs = time.perf_counter(), 0, []
+    for i in range(0, len(prompts), batch):
+        for out in llm.generate(prompts[i : i + batch], params):
+            tokens += len(out.token_ids)
+            outs.append(out.token_ids)
+    return time.perf_counter() - start, tokens, outs
+
+
+def run(model: str, k: int, max_tokens: int, rounds: int) -> dict:
+    from engine import LLM, SamplingParams
+    from engine.bundled import resolve_model
+
+    config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    text = (resolve_model(model) / "tokenizer.json").is_file()
+    common = {"num_blocks": 1024, "max_num_seqs": 16, "skip_tokenizer_init": not text}
+    engines = {"plain": LLM(model, **common), "ngram": LLM(model, speculative_config=config, **common)}
+    vocab = engines["plain"].engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    copies = copy_prompts if text else (lambda n: copy_token_prompts(n, vocab))
+    workloads = [("copy, batch 1", copies(4), 1), ("copy, batch 8", copies(8), 8),
+                 ("random text, batch 1", random_prompts(4, vocab), 1)]  # fmt: skip
+    for llm in engines.values():  # warm-up
+        llm.generate(copies(1), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    stats = engines["ngram"].engine.speculator.stats
+    rows = []
+    for name, prompts, batch in workloads:
+        speeds = {side: [] for side in engines}
+        outputs = {}
+        before = (stats.num_verify_steps, stats.num_proposed, stats.num_accepted)
+        for r in range(rounds):
+            for side in (list(engines) if r % 2 == 0 else list(reversed(engines))):  # alternate who goes first
+                seconds, tokens, outs = _timed(engines[side], prompts, params, batch)
+                speeds[side].append(tokens / seconds)
+                outputs[side] = outs
+        steps, proposed, accepted = (now - then for now, then in zip(
+            (stats.num_verify_steps, stats.num_proposed, stats.num_accepted), before, strict=True))  # fmt: skip
+        plain, ngram = statistics.median(speeds["plain"]), statistics.median(speeds["ngram"])
+        rows.append({"workload": name, "plain tok/s": plain, "ngram tok/s": ngram, "ratio": ngram / plain,
+                     "acceptance rate": accepted / proposed if proposed else 0.0,
+                     "mean accepted length": accepted / steps if steps else 0.0,
+                     "same tokens": outputs["plain"] == outputs["ngram"]})  # fmt: skip
+    return {"k": k, "max_tokens": max_tokens, "rounds": rounds, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="kvserve bench offline --speculative ngram", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--spec-tokens", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--spec-rounds", type=int, default=3, help="rounds per workload, both sides each round")
+    parser.add_argument("--save-result", default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    result = run(args.model, args.spec_tokens, args.max_tokens, args.spec_rounds)
+    print(f"speculative decoding, n-gram k={result['k']}, {result['max_tokens']} greedy tokens per request, "
+          f"median of {result['rounds']} alternating rounds")  # fmt: skip
+    header = list(result["rows"][0])
+    print(report.table(header, [[row[name] for name in header] for row in result["rows"]]))
+    for row in result["rows"]:
+        print(f"{row['workload']}: ngram is {row['ratio']:.2f}x plain, acceptance {row['acceptance rate']:.0%}, "
+              f"{row['mean accepted length']:.2f} tokens accepted per verify step, "
+              f"same tokens: {row['same tokens']}")  # fmt: skip
+    if args.save_result:
+        report.save_json(args.save_result, result)
+
+
+if __name__ == "__main__":
+    main()
