@@ -20,6 +20,7 @@ Values go to pydantic as the strings typed: validation happens once, in the mode
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import typing
 from collections.abc import Iterable, Sequence
@@ -176,7 +177,11 @@ def settings_argv(settings: BaseSettings, names: Iterable[str]) -> list[str]:
         if name not in settings.model_fields_set or (value := getattr(settings, name)) is None:
             continue
         for item in value if isinstance(value, list) else [value]:
-            argv += [flag_name(name), str(item).lower() if isinstance(item, bool) else str(item)]
+            if isinstance(item, bool):
+                word = str(item).lower()
+            else:
+                word = json.dumps(item) if isinstance(item, dict) else str(item)
+            argv += [flag_name(name), word]
     return argv
 
 

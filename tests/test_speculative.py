@@ -29,6 +29,7 @@ from engine.speculative import (
     accepted_lengths,
     ngram_proposal,
 )
+from kvserve.settings import UpSettings
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from rpc.convert import sampling_from_proto, sampling_to_proto
@@ -47,6 +48,8 @@ def test_the_config_is_spelled_as_vllm_spells_it_and_each_bad_field_is_named():
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
     flag = settings_from_argv(DecodeSettings, ["--speculative-config", json.dumps(NGRAM)])
     assert flag.engine_config().speculative_config == NGRAM  # the worker flag takes the same JSON
+    up = settings_from_argv(UpSettings, ["--speculative-config", json.dumps(NGRAM)])  # kvserve up passes it on
+    assert settings_from_argv(DecodeSettings, up.engine_argv()).speculative_config == NGRAM
     for bad, field in [
         ({**NGRAM, "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({**NGRAM, "num_speculative_tokens": MAX_SPECULATIVE_TOKENS + 1}, "num_speculative_tokens"),
