@@ -114,6 +114,8 @@ def test_kvserve_up_passes_every_engine_option_on_to_its_workers():
     assert set(names) | set(UP_SET_FIELDS) == set(EngineConfig.model_fields)
     given = {name: _other_value(EngineConfig, name) for name in names}
     given["streaming_window"] = 64  # (at least a block and more than the sinks: EngineConfig checks them together)
+    given["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                                   "prompt_lookup_max": 3}  # (JSON on a worker's command line)  # fmt: skip
     up = UpSettings(**given)
     for worker_cls in (DecodeSettings, PrefillSettings):
         engine = parse_settings(worker_cls, up.engine_argv()).engine_config()
