@@ -71,21 +71,25 @@ class DraftProposer:
 
     def propose(self, wanted: list[tuple[Sequence, int]]) -> None:
         """Set ``spec_token_ids`` (up to k tokens) of each target sequence in ``wanted`` (with its own cap)."""
-        drafting, budget = [], self.budget
+        drafting, first_rows, budget = [], [], self.budget
         for target, k in wanted:
             own = self._sync(target)
-            behind = own.num_tokens - own.num_computed_tokens
-            if own.num_tokens + k > self.max_len or behind > budget:
-                continue  # (a long prompt's first catch-up waits for a quieter step)
+            if own.num_tokens + k > self.max_len:
+                continue
             if not self.block_manager.allocate(own.seq_id, own.num_tokens + k):
                 continue  # the draft's pool is full: this sequence decodes plainly this step
             own.block_table = self.block_manager.block_table_array(own.seq_id)
+            behind = own.num_tokens - own.num_computed_tokens
+            if behind > budget:  # (a long prompt's first catch-up): a chunk now, proposals in a later step
+                if budget > 0:
+                    first_rows.append((own, budget))
+                    budget = 0
+                continue
             budget -= behind
             drafting.append((target, own, k))
-        if not drafting:
-            return
+            first_rows.append((own, behind))
         # the catch-up step samples each first proposal; then one token per step while a sequence wants more
-        rows = [(own, own.num_tokens - own.num_computed_tokens) for _, own, _ in drafting]
+        rows = first_rows
         while rows:
             seqs = [own for own, _ in rows]
             counts = [n for _, n in rows]

@@ -196,6 +196,7 @@ class Speculator:
         config = self.config
         wanted = []  # (sequence, how many tokens it may take)
         for seq in running:
+            seq.spec_token_ids.clear()  # (one the last step's budget left out still holds its old guesses)
             if seq.num_computed_tokens + 1 != seq.num_tokens or seq.ring is not None or not seq.params.speculative:
                 continue
             if seq.spec_tracker is None:

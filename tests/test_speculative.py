@@ -279,7 +279,8 @@ def test_a_draft_model_changes_no_token_and_its_acceptance_follows_its_quality(e
     draft's, is free."""
     base, _ = engines
     model = "default" if draft == "target" else str(random_draft)
-    llm = LLM("default", num_blocks=NUM_BLOCKS, max_num_seqs=64,
+    # a step budget below the prompts' length: the draft catches up on a prompt in chunks, as the target does
+    llm = LLM("default", num_blocks=NUM_BLOCKS, max_num_seqs=64, max_num_batched_tokens=48,
               speculative_config={"method": "draft", "model": model, "num_speculative_tokens": 4})  # fmt: skip
     engine, pool = llm.engine, llm.engine.block_manager
     prompts = _copy_prompts(tokenizer, 8)
