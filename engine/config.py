@@ -98,11 +98,12 @@ class EngineConfig(ModelSettings):
         False,
         description="run every step eagerly on its unpadded batch: no decode CUDA graphs, no padded decode path",
     )
-    host_kv_cache_gb: float = Field(
-        0.0,
+    host_kv_cache_gb: float | None = Field(
+        None,
         ge=0,
         description="GiB of host memory (pinned on a GPU) for the L2 tier below the KV pool: blocks the pool "
-        "evicts are kept there and loaded back on a prefix hit, and preempted sequences are swapped there; 0: off",
+        "evicts are kept there and loaded back on a prefix hit, and preempted sequences are swapped there; 0: off; "
+        "unset: twice the KV pool, at most 4 GiB and a quarter of the host memory available at start",
     )
     preemption_mode: Literal["auto", "swap", "recompute"] = Field(
         "auto",
@@ -113,7 +114,7 @@ class EngineConfig(ModelSettings):
         None, description="directory of the L3 disk tier (below the host tier, kept across restarts); none: off"
     )
     disk_kv_cache_gb: float = Field(
-        0.0, ge=0, description="GiB the disk tier may fill in disk_kv_cache_dir (needs host_kv_cache_gb)"
+        0.0, ge=0, description="GiB the disk tier may fill in disk_kv_cache_dir (needs the host tier)"
     )
 
     def torch_device(self) -> torch.device:

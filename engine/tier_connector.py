@@ -38,6 +38,13 @@ log = logging.getLogger(__name__)
 
 SWAP_MIN_BLOCKS = 2  # ``auto``: shorter preempted sequences are recomputed
 
+# The host tier when host_kv_cache_gb is unset: twice the KV pool (SGLang HiCache's default ratio), at most
+# 4 GiB (vLLM's default swap space per GPU) and a quarter of the memory the host has available at start,
+# so that a machine of several workers keeps most of its memory.
+AUTO_HOST_RATIO = 2
+AUTO_HOST_MAX_BYTES = 4 << 30
+AUTO_HOST_AVAILABLE_SHARE = 0.25
+
 
 @dataclass
 class TierStats:
@@ -242,27 +249,47 @@ class TierConnector(KVConnector):
             self.host.free_slots(swapped[0])
 
 
+def auto_host_bytes(pool_bytes: int, available: int | None) -> int:
+    """The host tier's size when the config leaves it unset (see ``AUTO_HOST_RATIO``)."""
+    nbytes = min(AUTO_HOST_RATIO * pool_bytes, AUTO_HOST_MAX_BYTES)
+    if available is not None:
+        nbytes = min(nbytes, int(available * AUTO_HOST_AVAILABLE_SHARE))
+    return nbytes
+
+
 def build_tiers(config, spec, device: torch.device, block_manager: BlockManager, views: list[LayerKV],
                 fingerprint: str) -> TierConnector | None:  # fmt: skip
     """The engine's memory tiers as its config asks, or None (no host tier); ValueError for a bad config."""
-    if config.disk_kv_cache_dir and not config.host_kv_cache_gb:
-        raise ValueError("disk_kv_cache_dir needs a host tier: set host_kv_cache_gb too (the disk tier sits below it)")
     if config.disk_kv_cache_gb and not config.disk_kv_cache_dir:
         raise ValueError("disk_kv_cache_gb is set but disk_kv_cache_dir is not: name the directory for the disk tier")
-    if not config.host_kv_cache_gb:
-        return None
-    nbytes = int(config.host_kv_cache_gb * (1 << 30))
     block = spec.bytes_per_block()
-    if nbytes < block:
-        raise ValueError(
-            f"host_kv_cache_gb={config.host_kv_cache_gb} holds no block: one block needs {block / (1 << 20):.2f} MiB"
-        )
-    available = available_host_bytes()
-    if available is not None and nbytes > available:
-        raise ValueError(
-            f"host_kv_cache_gb={config.host_kv_cache_gb} is more than this machine's available memory "
-            f"({available / (1 << 30):.1f} GiB): lower it"
-        )
+    if config.host_kv_cache_gb is None:
+        nbytes = auto_host_bytes(spec.total_bytes(block_manager.num_blocks), available_host_bytes())
+        if nbytes < block:
+            if config.disk_kv_cache_dir:
+                raise ValueError("disk_kv_cache_dir needs a host tier, and this machine has too little memory "
+                                 "available for the automatic one: set host_kv_cache_gb")  # fmt: skip
+            log.info("no host KV tier: too little host memory available for one block")
+            return None
+        log.info("host KV tier: %.2f GiB (automatic: host_kv_cache_gb sets it, 0 turns it off)", nbytes / (1 << 30))
+    else:
+        if config.disk_kv_cache_dir and not config.host_kv_cache_gb:
+            raise ValueError("disk_kv_cache_dir needs a host tier: host_kv_cache_gb=0 turns it off (the disk tier "
+                             "sits below it)")  # fmt: skip
+        if not config.host_kv_cache_gb:
+            return None
+        nbytes = int(config.host_kv_cache_gb * (1 << 30))
+        if nbytes < block:
+            raise ValueError(
+                f"host_kv_cache_gb={config.host_kv_cache_gb} holds no block: one block needs "
+                f"{block / (1 << 20):.2f} MiB"
+            )
+        available = available_host_bytes()
+        if available is not None and nbytes > available:
+            raise ValueError(
+                f"host_kv_cache_gb={config.host_kv_cache_gb} is more than this machine's available memory "
+                f"({available / (1 << 30):.1f} GiB): lower it"
+            )
     host = HostTier(spec, nbytes // block, pin_memory=device.type == "cuda")
     disk = None
     if config.disk_kv_cache_dir:

@@ -142,7 +142,9 @@ class HostTier:
                  on_evict: Callable[[TierEntry], None] | None = None) -> None:  # fmt: skip
         if num_slots <= 0:
             raise ValueError(f"a host tier needs at least one block, got {num_slots}")
-        buffer = torch.zeros(spec.total_bytes(num_slots), dtype=torch.uint8, pin_memory=pin_memory)
+        # empty, not zeros: a slot is read only after a copy wrote it, and untouched pages of an unpinned
+        # buffer take no memory, so a tier sized for the worst case costs only what it holds
+        buffer = torch.empty(spec.total_bytes(num_slots), dtype=torch.uint8, pin_memory=pin_memory)
         self.cache = KVCache(spec, num_slots, "cpu", buffer=buffer)
         self.views = self.cache.layers
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: low slots first, often in runs
@@ -229,15 +231,27 @@ class HostTier:
 
 
 def available_host_bytes() -> int | None:
-    """Memory this machine can still give (``MemAvailable``), or None where it cannot say."""
+    """Memory this process can still get: the machine's ``MemAvailable``, or less where a cgroup (a container's
+    memory limit) leaves less; None where neither can be read."""
+    available = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
     except OSError:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            pass
+    try:  # cgroup v2: the limit ("max": none) less what the group uses now
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read())
+        if limit != "max":
+            left = max(0, int(limit) - current)
+            available = left if available is None else min(available, left)
+    except (OSError, ValueError):
         pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return None
+    return available

@@ -17,6 +17,7 @@ from cluster_utils import cluster, discard
 from kvserve.bench.datasets import jsonl_requests, random_requests, shared_prefix_requests
 from kvserve.bench.load import main, parse_slo
 from kvserve.bench.loadgen import arrival_gaps
+from kvserve.bench.speculative import copy_prompts
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LATENCY_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
@@ -24,10 +25,11 @@ LATENCY_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
 @pytest.fixture(scope="module")
 def full_cluster(tmp_path_factory):
-    """A decode worker of 32 blocks (16 tokens each) that lets at most 2 requests wait for blocks: the runs that
-    must not fail keep at most 2 small requests in flight."""
-    c = cluster(1, 1, tmp_path_factory.mktemp("logs"), decode_argv=["--num-blocks", "32", "--max-waiting", "2"],
-                http=True)  # fmt: skip
+    """A decode worker of 32 blocks (16 tokens each) that lets at most 2 requests wait for blocks (the runs that
+    must not fail keep at most 2 small requests in flight) and speculates with n-gram prompt lookup."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    c = cluster(1, 1, tmp_path_factory.mktemp("logs"), http=True,
+                decode_argv=["--num-blocks", "32", "--max-waiting", "2", "--speculative-config", spec])  # fmt: skip
     yield c
     discard(c)
 
@@ -67,6 +69,17 @@ def test_grpc_run_report_json_and_plot(full_cluster, tmp_path):
     assert result["goodput"]["slo"] == {"ttft_ms": 600000, "tpot_ms": 1}
     assert result["goodput"]["good_requests"] == 0  # nobody decodes a token in 1 ms here
     assert result["args"]["request_rate"] == 20 and result["args"]["target"] == full_cluster.endpoint
+
+
+def test_a_copy_workload_reports_the_decode_workers_speculation(full_cluster, tmp_path, tokenizer):
+    metrics = [c.metrics_url for c in full_cluster.children]
+    result = _load(tmp_path, "copy", "--target", full_cluster.endpoint, "--dataset", "copy", "--num-requests", "2",
+                   "--output-len", "24", "--max-concurrency", "1", *(f"--metrics-url={url}" for url in metrics))
+    _check_consistent(result, 2, 24)
+    assert result["total_input_tokens"] == sum(len(tokenizer.encode(p)) for p in copy_prompts(2))
+    server = result["server"]
+    assert server["spec_proposed_tokens"] > 0  # a passage being repeated: the n-gram lookup finds it
+    assert 0 < server["spec_acceptance_rate"] <= 1 and 0 < server["spec_mean_accepted_length"] <= 4
 
 
 def test_openai_backend_sweep_writes_one_run_per_rate(full_cluster, tmp_path):

@@ -181,7 +181,10 @@ def test_a_preempted_prefill_reads_the_destinations_prefix_again(engine_prompts,
     table, num_cached = _reserve(decode, loads, "r", prompt)
     # 12 blocks, 32 tokens a step: the prefill (11 blocks) runs beside a decoding request until the pool is full,
     # then it is preempted (the most recently admitted) and admitted again, reading the 4 blocks once more.
-    prefill = _engine("handoff", num_blocks=12, max_num_batched_tokens=32, enable_prefix_caching=False)
+    # (Recomputed: a swap would bring back KV computed in other chunks beside the neighbour, not the bits a
+    # cold prefill writes; test_tiers.py checks that swapped sequences give the same tokens.)
+    prefill = _engine("handoff", num_blocks=12, max_num_batched_tokens=32, enable_prefix_caching=False,
+                      preemption_mode="recompute")
     neighbour = prefill.add_request(engine_prompts[1], greedy(40))
     handoff = Handoff(decode.runner.kv_cache.layers, table, BLOCK_SIZE, num_cached, readable=True)
     rid = prefill.add_request(prompt, greedy(1), kv_params=handoff)

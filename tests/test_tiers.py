@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from engine import LLM, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.tier_connector import TierConnector
+from engine.tier_connector import TierConnector, auto_host_bytes
 from kvstore import BlockManager, KVCache, KVCacheSpec
 from kvstore.prefix_hash import block_hashes
 from kvstore.tiers import BlockCopier, HostTier
@@ -28,6 +28,7 @@ def test_the_copier_moves_every_byte_of_the_blocks_asked_and_nothing_else(kv_cac
     src, dst = KVCache(spec, 6, "cpu"), KVCache(spec, 6, "cpu")
     src.buffer.copy_(torch.randint(0, 256, (src.nbytes,), dtype=torch.uint8))  # NaN patterns included
     host = HostTier(spec, 4)
+    host.cache.buffer.fill_(0xAB)  # (a new tier's memory is not cleared: its slots are written before read)
     copier = BlockCopier(torch.device("cpu"))
     copier.to_host(src.layers, [4, 1], host.views, [2, 3])
     copier.to_device(host.views, [3, 2], dst.layers, [0, 5])
@@ -40,7 +41,7 @@ def test_the_copier_moves_every_byte_of_the_blocks_asked_and_nothing_else(kv_cac
             assert torch.equal(mid[2].view(torch.uint8), a[4].view(torch.uint8))
             assert torch.equal(b[0].view(torch.uint8), a[1].view(torch.uint8))
             assert torch.equal(b[5].view(torch.uint8), a[4].view(torch.uint8))
-            assert not b[1:5].view(torch.uint8).any() and not mid[:2].view(torch.uint8).any()  # untouched
+            assert not b[1:5].view(torch.uint8).any() and (mid[:2].view(torch.uint8) == 0xAB).all()  # untouched
 
 
 def test_the_host_tier_evicts_least_recently_used_unpinned_entries_and_reports_net_changes():
@@ -210,13 +211,25 @@ def test_swapped_out_and_recomputed_sequences_give_the_tokens_of_an_unpreempted_
     assert host.num_free_slots + len(host.entries) == host.num_slots  # every swap row came back
 
 
-def test_tier_settings_a_person_can_act_on():
+def test_tier_settings_a_person_can_act_on(tmp_path):
     with pytest.raises(ValueError, match="available memory"):
         LLM("default", num_blocks=8, host_kv_cache_gb=1 << 20)
     with pytest.raises(ValueError, match="holds no block"):
         LLM("default", num_blocks=8, host_kv_cache_gb=1e-9)
     with pytest.raises(ValueError, match="needs a host tier"):
-        LLM("default", num_blocks=8, disk_kv_cache_dir="/tmp/x")
+        LLM("default", num_blocks=8, host_kv_cache_gb=0, disk_kv_cache_dir=str(tmp_path / "kv"), disk_kv_cache_gb=0.1)
+
+
+def test_the_host_tier_is_on_by_default_at_twice_the_pool_within_the_hosts_memory():
+    engine = LLM("default", num_blocks=8).engine
+    assert engine.tiers is not None and engine.tiers.host.num_slots == 16  # twice the 8-block pool
+    engine.close()
+    assert LLM("default", num_blocks=8, host_kv_cache_gb=0).engine.tiers is None
+    gib = 1 << 30
+    assert auto_host_bytes(1 * gib, 64 * gib) == 2 * gib
+    assert auto_host_bytes(8 * gib, 64 * gib) == 4 * gib  # capped per worker
+    assert auto_host_bytes(1 * gib, 4 * gib) == 1 * gib  # a quarter of what the host has left
+    assert auto_host_bytes(1 * gib, None) == 2 * gib
 
 
 # -- on a GPU: the copy stream, pinned slots, and the engine's tokens -------------------------------------

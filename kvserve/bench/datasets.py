@@ -4,6 +4,8 @@
   (vLLM's random dataset does the same); sent as token ids, so the input length is exact;
 * ``shared-prefix``: ``num_prefixes`` random "system prompts" of ``prefix_len`` tokens, each followed by
   ``questions_per_prefix`` random questions of ``input_len`` tokens, shuffled: what prefix caching serves;
+* ``copy``: prompts that ask to repeat a passage of prose or code word for word (those of ``kvserve bench
+  offline --speculative``), ``output_len`` tokens each: what n-gram speculative decoding speeds up;
 * ``jsonl``: one JSON object per line, ``{"prompt": ...}`` (or ``"text"``), or a ShareGPT conversation
   ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}, ...]}`` (a JSON array
   of those is read too): the first human turn is the prompt and, when the reply follows, its token count
@@ -21,7 +23,7 @@ from pathlib import Path
 from engine.tokenizer import Tokenizer
 from kvserve.bench.loadgen import BenchRequest
 
-DATASETS = ("random", "shared-prefix", "jsonl")
+DATASETS = ("random", "shared-prefix", "copy", "jsonl")
 _FIRST_ID = 100
 
 
@@ -59,6 +61,12 @@ def shared_prefix_requests(num_prefixes: int, questions_per_prefix: int, prefix_
             requests.append(BenchRequest(prompt, output_len, len(prompt)))
     rng.shuffle(requests)
     return requests
+
+
+def copy_requests(num: int, tokenizer: Tokenizer, output_len: int) -> list[BenchRequest]:
+    from kvserve.bench.speculative import copy_prompts
+
+    return [BenchRequest(prompt, output_len, len(tokenizer.encode(prompt))) for prompt in copy_prompts(num)]
 
 
 def jsonl_requests(path: str | Path, tokenizer: Tokenizer, output_len: int) -> list[BenchRequest]:

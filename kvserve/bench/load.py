@@ -1,7 +1,7 @@
 """Load-test a running cluster through its public API, open-loop (vLLM's ``bench serve``, SGLang's
 ``bench_serving`` and AIPerf measure the same way).
 
-    kvserve bench load [--target 127.0.0.1:50051] [--backend grpc|openai] [--dataset random|shared-prefix|jsonl]
+    kvserve bench load [--target 127.0.0.1:50051] [--backend grpc|openai] [--dataset random|shared-prefix|copy|jsonl]
                        [--request-rate R [--burstiness B] | --sweep-rates 1,2,4,8] [--max-concurrency C]
                        [--num-requests N | --duration S] [--warmup N] [--slo ttft_ms=500,tpot_ms=50]
                        [--save-result FILE.json] [--plot FILE.png]
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kvserve.bench import report
 from kvserve.bench.backends import GrpcBackend, OpenAIBackend
-from kvserve.bench.datasets import DATASETS, jsonl_requests, random_requests, shared_prefix_requests
+from kvserve.bench.datasets import DATASETS, copy_requests, jsonl_requests, random_requests, shared_prefix_requests
 from kvserve.bench.loadgen import BenchRequest, LoadResult, run_load
 from kvserve.bench.server_metrics import scrape, server_figures
 
@@ -114,6 +114,8 @@ def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
     if args.dataset == "shared-prefix":
         return shared_prefix_requests(args.num_prefixes, args.questions_per_prefix, args.prefix_len, args.input_len,
                                       args.output_len, vocab, args.seed)  # fmt: skip
+    if args.dataset == "copy":
+        return copy_requests(args.num_requests or 16, tokenizer, args.output_len)
     if not args.dataset_path:
         raise SystemExit("kvserve bench load: --dataset jsonl needs --dataset-path FILE")
     return jsonl_requests(args.dataset_path, tokenizer, args.output_len)

@@ -20,7 +20,8 @@ def scrape(urls: list[str]) -> dict[str, float]:
 
 def server_figures(before: dict[str, float], after: dict[str, float]) -> dict:
     """What the servers counted during the run: requests by outcome (workers) and status (router), prefix-cache
-    hit rate, preemptions, KV bytes handed over, and the mean TTFT/TPOT the decode workers measured."""
+    hit rate, preemptions, KV bytes handed over, the mean TTFT/TPOT the decode workers measured, and speculative
+    decoding's proposals, acceptance rate and accepted tokens per verify step (none where nothing speculated)."""
     delta = {name: after[name] - before.get(name, 0.0) for name in after}
 
     def total(prefix: str) -> float:
@@ -34,6 +35,8 @@ def server_figures(before: dict[str, float], after: dict[str, float]) -> dict:
         return total(f"{histogram}_sum") / count * 1000 if count else None
 
     queries = total("kvserve_prefix_cache_queries_tokens_total")
+    proposed, accepted = total("kvserve_spec_proposed_tokens_total"), total("kvserve_spec_accepted_tokens_total")
+    steps = total("kvserve_spec_verify_steps_total")
     return {
         "worker_requests": labelled("kvserve_requests_total"),
         "router_requests": labelled("kvserve_router_requests_total"),
@@ -43,4 +46,7 @@ def server_figures(before: dict[str, float], after: dict[str, float]) -> dict:
         "kv_transfer_bytes": total("kvserve_kv_transfer_bytes_total"),
         "server_ttft_ms_mean": mean_ms("kvserve_time_to_first_token_seconds"),
         "server_tpot_ms_mean": mean_ms("kvserve_time_per_output_token_seconds"),
+        "spec_proposed_tokens": proposed,
+        "spec_acceptance_rate": accepted / proposed if proposed else None,
+        "spec_mean_accepted_length": accepted / steps if steps else None,
     }

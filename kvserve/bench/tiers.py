@@ -7,12 +7,14 @@ time to resume a preempted sequence, swapped against recomputed.
 
 **Multi-turn** (SGLang HiCache's benchmark shape): ``users`` conversations of ``turns`` turns each; a turn
 sends the whole history plus ``turn-tokens`` new tokens (the user's message and the last answer), one
-request at a time, turn-major (every user's turn 1, then every user's turn 2, ...). Two engines run the
-same requests, alternating request by request: one with a host tier (L2) big enough for every conversation,
-one without; both have a device pool of ``device-fraction`` of the final working set, so most of a user's
-history has been evicted by the others before they speak again. Reported: TTFT p50/p99 (request added to
-first token) and throughput (prompt and answer tokens per second of engine time) for each, their ratios,
-and that both answered every turn with the same tokens. Target: TTFT p50 with L2 <= 0.33x without.
+request at a time, turn-major (every user's turn 1, then every user's turn 2, ...). Three engines run the
+same requests, taking turns request by request: one with a host tier (L2) big enough for every conversation
+and one without, both with a device pool of ``device-fraction`` of the final working set, so most of a
+user's history has been evicted by the others before they speak again; and the floor, a device pool that
+holds every conversation, which computes only each turn's new tokens and copies nothing (no tier can beat
+it). Reported: TTFT p50/p99 (request added to first token) and throughput (prompt and answer tokens per
+second of engine time) for each, their ratios, and that all answered every turn with the same tokens.
+Target: TTFT p50 with L2 <= 0.33x without.
 
 **Resume**: a ``resume-tokens`` prompt is preempted by a shorter sequence admitted before it that grows
 into the last free block; when that one ends it comes back, either swapped back from the host tier or
@@ -34,6 +36,7 @@ import time
 from kvserve.bench import report
 
 _ANSWER_TOKENS = 8  # each turn's answer: short, so the bench measures prefills (TTFT), not decoding
+FLOOR = "all in device"  # a pool that holds every conversation: what any lower tier could at best reach
 
 
 def _first_token_s(engine, prompt: list[int], max_tokens: int) -> tuple[float, float, list[int]]:
@@ -61,8 +64,10 @@ def multi_turn(users: int, turns: int, turn_tokens: int, device_fraction: float,
     working_set = users * turns * turn_tokens
     num_blocks = max(8, int(working_set * device_fraction) // block_size)
     common = {"block_size": block_size, "num_blocks": num_blocks, "gpu_memory_utilization": 0.4}
-    engines = {"without": LLM("default", **common).engine,
-               "with L2": LLM("default", host_kv_cache_gb=host_gb, **common).engine}
+    everything = {**common, "num_blocks": -(-(working_set + users * block_size) // block_size)}
+    engines = {"without": LLM("default", host_kv_cache_gb=0, **common).engine,
+               "with L2": LLM("default", host_kv_cache_gb=host_gb, **common).engine,
+               FLOOR: LLM("default", host_kv_cache_gb=0, **everything).engine}  # fmt: skip
     vocab = engines["without"].model_config.vocab_size
     rng = random.Random(seed)
     history = [[] for _ in range(users)]
@@ -73,7 +78,8 @@ def multi_turn(users: int, turns: int, turn_tokens: int, device_fraction: float,
             message = [rng.randrange(100, vocab) for _ in range(turn_tokens - _ANSWER_TOKENS)]
             prompt = history[user] + message
             row = {"turn": turn + 1, "user": user, "prompt_tokens": len(prompt)}
-            order = list(engines) if (turn * users + user) % 2 == 0 else list(reversed(engines))  # alternate sides
+            shift = (turn * users + user) % len(engines)  # each side goes first, second, ... in turn
+            order = list(engines)[shift:] + list(engines)[:shift]
             for name in order:
                 ttft, total, tokens = _first_token_s(engines[name], prompt, _ANSWER_TOKENS)
                 row[f"{name} ttft_s"], row[f"{name} total_s"] = ttft, total
@@ -81,7 +87,7 @@ def multi_turn(users: int, turns: int, turn_tokens: int, device_fraction: float,
             rows.append(row)
             history[user] = prompt + answers["without"][-1]
     result = {"rows": rows, "num_blocks": num_blocks, "working_set_tokens": working_set,
-              "same_tokens": answers["without"] == answers["with L2"],
+              "same_tokens": answers["without"] == answers["with L2"] == answers[FLOOR],
               "host_hits": engines["with L2"].tiers.stats.hit_tokens["host"]}  # fmt: skip
     for name in engines:
         ttfts = [r[f"{name} ttft_s"] for r in rows]
@@ -214,7 +220,7 @@ def plot(result: dict, path: str) -> None:
     rows = result["rows"]
     turns = sorted({r["turn"] for r in rows})
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, style in (("without", "s--"), ("with L2", "o-")):
+    for name, style in (("without", "s--"), ("with L2", "o-"), (FLOOR, "^:")):
         means = [statistics.mean(r[f"{name} ttft_s"] for r in rows if r["turn"] == t) * 1e3 for t in turns]
         ax.plot(turns, means, style, label=name)
     ax.set(xlabel="turn", ylabel="mean TTFT (ms)", title=f"multi-turn TTFT, device pool {result['num_blocks']} blocks")
@@ -259,16 +265,19 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_multi_turn:
         mt = saved["multi_turn"] = multi_turn(args.users, args.turns, args.turn_tokens, args.device_fraction,
                                               args.host_gb)  # fmt: skip
-        without, with_l2 = mt["without"], mt["with L2"]
+        without, with_l2, floor = mt["without"], mt["with L2"], mt[FLOOR]
         print(f"multi-turn: {args.users} users x {args.turns} turns, +{args.turn_tokens} tokens a turn; device pool "
               f"{mt['num_blocks']} blocks = {args.device_fraction:.0%} of {mt['working_set_tokens']} tokens")
         print(report.table(("", "TTFT p50 ms", "TTFT p99 ms", "tokens/s"), [
             (name, d["ttft_p50_s"] * 1e3, d["ttft_p99_s"] * 1e3, d["tokens_per_s"])
-            for name, d in (("without L2", without), ("with L2", with_l2))]))  # fmt: skip
+            for name, d in (("without L2", without), ("with L2", with_l2), (FLOOR, floor))]))  # fmt: skip
         print(f"with/without: TTFT p50 {with_l2['ttft_p50_s'] / without['ttft_p50_s']:.2f}x, p99 "
               f"{with_l2['ttft_p99_s'] / without['ttft_p99_s']:.2f}x, throughput "
               f"{with_l2['tokens_per_s'] / without['tokens_per_s']:.2f}x; host-tier hits {mt['host_hits']} tokens; "
               f"same tokens: {mt['same_tokens']}")
+        print(f"floor (a pool for every conversation, no copies): TTFT p50 {floor['ttft_p50_s'] * 1e3:.1f} ms = "
+              f"{floor['ttft_p50_s'] / without['ttft_p50_s']:.2f}x without; with L2 is "
+              f"{with_l2['ttft_p50_s'] / floor['ttft_p50_s']:.2f}x the floor")
         plot(mt, args.plot)
         print(f"saved {args.plot}")
     if not args.skip_resume:
