@@ -219,6 +219,8 @@ def start_cluster(
     metrics_offset = 1000  # a worker's /metrics port: its gRPC port + 1000
     check_ports_free(host, [port, *([http_port] if http_port else []), *decode_ports, *prefill_ports,
                             *(p + metrics_offset for p in decode_ports + prefill_ports)])  # fmt: skip
+    if log_dir:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
     for path in remove_dead_clusters():
         log.info("removed %s, left behind by a cluster whose launcher died", path)
     shm_hold = hold_dir(cluster_shm_dir(port))

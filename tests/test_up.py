@@ -58,8 +58,8 @@ def _redis_password(pid: int) -> str:
 
 def test_up_serves_then_stops_cleanly(tmp_path):
     port = free_base_port()
-    logs, token_file, api_key = tmp_path / "logs", tmp_path / "cluster-token", "api-key-0123456789"
-    logs.mkdir()
+    logs, token_file, api_key = tmp_path / "logs" / "up", tmp_path / "cluster-token", "api-key-0123456789"
+    # (logs does not exist yet: kvserve up makes it)
     token_file.write_text("cluster-token-0123456789\n")
     token_file.chmod(0o600)
     cmd = [sys.executable, "-m", "kvserve.cli", "up", "--port", str(port), "--http-port", str(port + 1),
