@@ -58,5 +58,5 @@ class LLM:
             conversations = [conversations]
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer, and this engine runs with skip_tokenizer_init")
-        prompts = [self.tokenizer.apply_chat_template(messages) for messages in conversations]
+        prompts = [self.tokenizer.encode_chat(messages) for messages in conversations]
         return self.generate(prompts, params)

@@ -1,12 +1,25 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV pool, in one file.
+"""The decoder of every supported family over a paged KV pool, in one file.
 
-Differences between the three are config switches: Qwen2 adds biases to
-q/k/v, embeddings may be tied, RoPE may be scaled (``linear`` or ``llama3``).
+Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 and Phi-3 are one pre-norm decoder (attention, then a
+gated MLP, each behind an RMSNorm with a residual around it); what sets them apart is a handful of small
+pieces, each a config switch here rather than a file per family, so that the one forward pass the kernels,
+the KV pool and the CUDA graphs are written for stays in one place:
+
+* q/k/v biases (Qwen2), tied embeddings, scaled RoPE (``engine.rotary``);
+* an RMSNorm over each head of q and k before rotary (Qwen3, Qwen3-MoE, Gemma 3);
+* Gemma 3: embeddings times sqrt(hidden), norms of weight ``1 + w`` (the loader adds the 1), "sandwich"
+  norms on the attention and MLP outputs, a GELU-tanh MLP, its own attention scale, and local layers
+  that attend over a sliding window with their own RoPE base, five for every global one;
+* partial rotary and LongRoPE (Phi-3, Phi-4-mini), whose checkpoints hold q/k/v and gate/up fused already;
+* a mixture of experts in place of the MLP (Qwen3-MoE: ``engine.moe``).
+
 Every forward pass works on a flat, unpadded batch of tokens from many
 sequences; ``AttentionMetadata`` tells attention which rows belong together.
+Sliding windows (Mistral, Phi-3, Gemma 3's local layers) are the ring of blocks of ``kvstore.ring``: the
+layers in ``sliding_window_layers`` attend over ``meta.ring``'s windows, the others over every key.
 
 The element-wise work goes through ``kernels`` (fused Triton kernels on CUDA,
-the PyTorch references elsewhere), so that a decode step launches per layer:
+the PyTorch references elsewhere), so that a Llama decode step launches per layer:
 the QKV GEMM, rotary (q and k together), the KV store, decode attention (plus
 its reduction when split), o_proj, residual-add + RMSNorm, the gate/up GEMM,
 SiLU-and-mul, down_proj and the next residual-add + RMSNorm: 10 or 11 kernels.
@@ -16,14 +29,15 @@ add happens inside the next norm.
 
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import kernels
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
+from engine.moe import SparseMoE
+from engine.rotary import rotary_embeddings
 from kvstore import LayerKV
 
 
@@ -37,58 +51,9 @@ class RMSNorm(nn.Module):
         """``x``, ``residual`` ``(tokens, hidden)`` -> (normalized ``x + residual``, ``x + residual``)."""
         return kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies ``(head_dim / 2,)``, with the config's scaling applied."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        original = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
-        smooth = (original / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= original / high) & (wavelen <= original / low)
-        return torch.where(medium, blended, scaled)
-    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3)")
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE: a float32 table of every position's cosines and sines, looked up once per step."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        with torch.device("cpu"):  # also inside the loader's meta device, where arange would import torch._dynamo
-            positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-            inv_freq = rope_inv_freq(config)
-            freqs = torch.outer(positions, inv_freq)  # (positions, head_dim / 2)
-            cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-        self.register_buffer("cos_sin", cos_sin, persistent=False)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        """``positions (tokens,)`` -> ``cos_sin (tokens, head_dim)``, the layout ``kernels.rotary_embedding`` takes."""
-        return self.cos_sin[positions]
-
-    def at(self, positions: torch.Tensor, max_position: int) -> torch.Tensor:
-        """``forward`` for positions that may lie past the table (a streaming sequence outlives the model's
-        context), ``max_position`` their largest: those rows are computed here, their angles in float64 so
-        that a key rotated far out still scores by its distance alone. The table stays as it is (a captured
-        decode graph reads it)."""
-        if max_position < self.cos_sin.shape[0]:
-            return self.cos_sin[positions]
-        last = self.cos_sin.shape[0] - 1
-        angles = positions.double()[:, None] * self.inv_freq.double()[None, :]  # (tokens, head_dim / 2)
-        computed = torch.cat([angles.cos(), angles.sin()], dim=-1).float()
-        return torch.where((positions > last)[:, None], computed, self.cos_sin[positions.clamp(max=last)])
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over the last dim of ``x (..., dim)``, without a residual."""
+        return kernels.add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)[0].view(x.shape)
 
 
 class Attention(nn.Module):
@@ -98,11 +63,15 @@ class Attention(nn.Module):
         # model that slides in some layers only (the others see every key)
         self.windowed = config.sliding_window is None or layer in config.sliding_window_layers
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.rotary_dim = config.rotary_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale or self.head_dim**-0.5
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
                 sink_cos_sin: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -113,37 +82,58 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)  # (tokens, q_heads, head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)  # (tokens, kv_heads, head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm.norm(q), self.k_norm.norm(k)
         q_sink = None
         if meta.ring is not None and self.windowed and meta.ring.has_sinks:
             # (k[:, :1]: the kernel rotates q and k together, and only this q is wanted)
-            q_sink = kernels.rotary_embedding(q, k[:, :1], sink_cos_sin)[0]
-        q, k = kernels.rotary_embedding(q, k, cos_sin)
+            q_sink = self._rotate(q, k[:, :1], sink_cos_sin)[0]
+        q, k = self._rotate(q, k, cos_sin)
         if meta.ring is not None and self.windowed and q_sink is None:
             q_sink = q  # no sinks in this batch: the kernels score none with it
         out = paged_attention(q, k, v, kv, meta, self.scale, q_sink)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE of q and k, of each head's leading ``rotary_dim`` dims only under partial rotary."""
+        if self.rotary_dim == self.head_dim:
+            return kernels.rotary_embedding(q, k, cos_sin)
+        d = self.rotary_dim
+        q_rot, k_rot = kernels.rotary_embedding(q[..., :d], k[..., :d], cos_sin)  # (tokens, heads, d)
+        return torch.cat([q_rot, q[..., d:]], dim=-1), torch.cat([k_rot, k[..., d:]], dim=-1)
+
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """A gated MLP: down(act(gate(x)) * up(x)), with gate and up fused into one matmul; act is SiLU
+    (SwiGLU) or, for Gemma, GELU with the tanh approximation."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=config.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=config.mlp_bias)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)  # (tokens, 2 * intermediate)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(kernels.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
+        self.rope = "local" if layer in config.local_rope_layers else "global"  # which table turns q and k
         self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SparseMoE(config) if layer in config.moe_layers else MLP(config)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        if config.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output instead
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps)
 
     def forward(
         self,
@@ -161,6 +151,10 @@ class DecoderLayer(nn.Module):
         """
         hidden, residual = self.input_layernorm(x, residual)
         hidden = self.self_attn(hidden, cos_sin, kv, meta, sink_cos_sin)
+        if hasattr(self, "pre_feedforward_layernorm"):
+            hidden = self.post_attention_layernorm.norm(hidden)
+            hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+            return self.post_feedforward_layernorm.norm(self.mlp(hidden)), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -183,7 +177,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config)
-        self.rope = RotaryEmbedding(config)
+        self.ropes = rotary_embeddings(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -192,18 +186,28 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_layers: list[LayerKV], meta: AttentionMetadata
     ) -> torch.Tensor:
         """``input_ids``/``positions`` ``(tokens,)`` -> final hidden states ``(tokens, hidden)``."""
-        x = self.model.embed_tokens(input_ids)
-        ring, sink_cos_sin = meta.ring, None
-        if ring is None:
-            cos_sin = self.rope(positions)  # one lookup per step, shared by every layer
-        else:
-            cos_sin = self.rope.at(positions, ring.max_position)
-            sink_cos_sin = self.rope.at(ring.sink_positions, ring.max_position) if ring.has_sinks else None
+        x = self.model.embed_tokens(input_ids)  # (tokens, hidden)
+        if self.config.embed_scale is not None:  # the scale rounded to the dtype first, as transformers does
+            x = x * torch.tensor(self.config.embed_scale).to(x.dtype).item()
+        rotations = {kind: self._rotation(rope, positions, meta) for kind, rope in self.ropes.items()}
         residual = None
         for layer, kv in zip(self.model.layers, kv_layers, strict=True):
+            cos_sin, sink_cos_sin = rotations[layer.rope]
             x, residual = layer(x, residual, cos_sin, kv, meta, sink_cos_sin)
         hidden, _ = self.model.norm(x, residual)
         return hidden
 
+    @staticmethod
+    def _rotation(rope: nn.Module, positions: torch.Tensor, meta: AttentionMetadata):
+        """(cos_sin of the step's queries, of their sink-facing copies or None): one lookup per step and table,
+        shared by the layers that use the table."""
+        ring = meta.ring
+        if ring is None:
+            return rope(positions), None
+        sink_cos_sin = rope.at(ring.sink_positions, ring.max_position) if ring.has_sinks else None
+        return rope.at(positions, ring.max_position), sink_cos_sin
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()  # (rows, vocab)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -56,6 +56,30 @@ PRESETS: dict[str, dict] = {
         eos_token_id=128001,
     ),
 }
+# The newer families, from the published config.json of Qwen3-0.6B, gemma-3-1b-it, Phi-3-mini-4k-instruct and
+# Qwen3-30B-A3B (the smallest Qwen3-MoE: 30B parameters in 48 layers; ``num_layers`` makes it fit a machine).
+PRESETS.update({
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
+    "gemma-3-1b": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                       num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                       max_position_embeddings=32768, query_pre_attn_scalar=256, rope_theta=1000000.0,
+                       rope_local_base_freq=10000.0, sliding_window=512, sliding_window_pattern=6,
+                       rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+                       pad_token_id=0, bos_token_id=2, eos_token_id=[1, 106]),
+    "phi-3-mini": dict(model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                       max_position_embeddings=4096, original_max_position_embeddings=4096, rope_theta=10000.0,
+                       sliding_window=2047, rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=32000,
+                       bos_token_id=1, eos_token_id=32000),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
+                          rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
+})  # fmt: skip
 PRESETS["qwen2-tiny"] = {  # Qwen2's layout, shrunk; no special token ids (those would be past its vocabulary)
     **{key: value for key, value in PRESETS["qwen2-0.5b"].items() if not key.endswith("token_id")},
     **dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -32,8 +32,15 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self.hf.eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens=False`` for text a chat template rendered: it holds the special tokens it needs
+        (Gemma's ``<bos>``), which encoding would otherwise add a second time, as transformers'
+        ``apply_chat_template`` does not."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The token ids of chat messages rendered with the chat template and a generation prompt."""
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)

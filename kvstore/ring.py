@@ -72,7 +72,11 @@ class RingSpec:
 
     @property
     def num_exact_tokens(self) -> int:
-        """Positions below this see every earlier token: their KV equals a full cache's (prefix-cacheable)."""
+        """Positions below this hold the KV a full cache holds, in the same blocks (prefix-cacheable, loadable
+        by a connector): those that see every earlier token, and every position of a model's own window over
+        a full table (no sinks, no recycling: the model's KV is windowed whoever computes it)."""
+        if not self.recycles and not self.num_sinks:
+            return UNBOUNDED
         return self.num_sinks + self.window
 
     def num_table_blocks(self, num_tokens: int) -> int:

@@ -124,10 +124,9 @@ def _prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, max_co
             raise ValueError(f"chat message {i} has role {m.role[:32]!r}; use one of {list(CHAT_ROLES)}")
     _check_prompt_bytes(sum(len(m.content.encode()) for m in messages), "chat messages' contents are")
     try:
-        text = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages])
+        return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
     except TemplateError as err:
         raise ValueError(f"the model's chat template refused these messages: {err}") from err
-    return tokenizer.encode(text)
 
 
 def _check_prompt_bytes(num_bytes: int, what_is: str) -> None:

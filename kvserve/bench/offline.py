@@ -24,6 +24,8 @@ static cache, which ``generate`` compiles with torch.compile on CUDA (``--no-com
 transformers' (``kvserve.bench.tiny``); it ignores ``--model`` and the other workloads.
 ``--profile`` first prints what ``kvserve.bench.profile`` finds in a few decode steps, on an engine with
 ``enforce_eager=True`` (the kernel launches per layer, GPU busy) and on the default one (CUDA graphs).
+A mixture-of-experts model (Qwen3-MoE) ends with the share of a decode step (``--profile-batch`` sequences,
+``--profile-steps`` steps after ``--prompt-len``-token prompts) spent routing and grouping by expert.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import time
 import torch
 
 from kvserve.bench.hf_baseline import BASELINES, TransformersBaseline
-from kvserve.bench.profile import DecodeProfile, profile_decode_steps
+from kvserve.bench.profile import DecodeProfile, moe_routing_share, profile_decode_steps
 
 NANO_VLLM_TEMPERATURE = 0.6
 
@@ -139,6 +141,18 @@ def print_profiles(eager: DecodeProfile, graphs: DecodeProfile, batch: int, prom
     print(f"launches per layer (graphs, a whole step's kernels over the layers): {graphs.launches_per_layer:.1f}")
     print(f"GPU busy (eager): {_busy(eager)}")
     print(f"GPU busy (graphs): {_busy(graphs)}", flush=True)
+
+
+def print_moe_share(llm, batch: int, prompt_len: int, steps: int) -> None:
+    """A mixture-of-experts model: the share of a decode step spent routing tokens and grouping them by
+    expert (``kvserve.bench.profile.moe_routing_share``), on an eager step (hooks see no replayed graph)."""
+    if llm.engine.runner.graphs is not None:
+        print("\nMoE routing share: n/a under CUDA graphs (run with an eager engine)", flush=True)
+        return
+    share = moe_routing_share(llm, batch, prompt_len, steps)
+    step = f"MoE decode step at batch {batch} after {prompt_len}-token prompts: {share.step_ms:.2f} ms"
+    print(f"\n{step}, {share.moe_ms:.2f} ms of it in the MoE MLPs, {share.experts_ms:.2f} ms in their experts' GEMMs")
+    print(f"MoE routing and grouping: {share.routing_share:.1%} of a decode step", flush=True)
 
 
 def tiny_table(batch_sizes: list[int], prompt_len: int, steps: int, rounds: int, cpu_time: bool = False) -> None:
@@ -255,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
         nano_vllm_workload(llm, args.nano_requests, *args.nano_lengths)
     elif args.workload == "random":
         random_lengths(llm, baseline, args)
+    if llm.engine.model_config.num_experts:
+        print_moe_share(llm, args.profile_batch, args.prompt_len, args.profile_steps)
 
 
 if __name__ == "__main__":

@@ -195,3 +195,60 @@ def _profiled_counts(engine, num_steps: int, device: torch.device, layers: list[
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
     return count_trace(events)
+
+
+@dataclass(frozen=True)
+class MoEShare:
+    """Per decode step of a mixture-of-experts model (``engine.moe``), in ms of wall time."""
+
+    step_ms: float
+    moe_ms: float  # in the MoE MLPs, all of them
+    experts_ms: float  # of which in the experts' grouped GEMMs
+
+    @property
+    def routing_share(self) -> float:
+        """The share of a step spent routing and grouping: router, top-k, sorting by expert, gathering the
+        rows, weighting and summing them back (the MoE MLPs' time outside the experts' GEMMs)."""
+        return (self.moe_ms - self.experts_ms) / self.step_ms
+
+
+def moe_routing_share(llm, batch_size: int, prompt_len: int, num_steps: int) -> MoEShare:
+    """Time ``num_steps`` decode steps of ``batch_size`` sequences, and inside them the MoE MLPs and their
+    experts, by forward hooks that synchronise the device (so the step is slower than unobserved on a GPU)."""
+    from engine import SamplingParams
+    from engine.moe import Experts, SparseMoE
+
+    engine = llm.engine
+    device = engine.runner.device
+    modules = [m for m in engine.runner.model.modules() if isinstance(m, (SparseMoE, Experts))]
+    if not modules:
+        raise ValueError("the model has no mixture-of-experts layer")
+    spent = {SparseMoE: 0.0, Experts: 0.0}
+    started: list[float] = []
+
+    def enter(module, args) -> None:
+        _sync(device)
+        started.append(time.perf_counter())
+
+    def leave(module, args, output) -> None:
+        _sync(device)
+        spent[type(module)] += time.perf_counter() - started.pop()
+
+    prompts = torch.randint(100, engine.model_config.vocab_size, (batch_size, prompt_len),
+                            generator=torch.Generator().manual_seed(7))  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=num_steps + _SETTLE_STEPS + 2, ignore_eos=True)
+    ids = [engine.add_request(prompt, params) for prompt in prompts.tolist()]
+    hooks = []
+    try:
+        _step_until_decoding(engine, set(ids))
+        for _ in range(_SETTLE_STEPS):
+            engine.step()
+        hooks = [hook for m in modules for hook in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+        wall_s = _timed_steps(engine, num_steps, device)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for request_id in ids:
+            engine.abort(request_id)
+    per_step = 1e3 / num_steps
+    return MoEShare(wall_s * per_step, spent[SparseMoE] * per_step, spent[Experts] * per_step)
