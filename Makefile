@@ -23,7 +23,7 @@ demo: $(STAMP)
 # imported, so they get a process of their own.
 test: $(STAMP)
 	$(PY) -m pytest -q --ignore=tests/kernels -m 'not compose and not soak'
-	@if [ -d tests/kernels ]; then TRITON_INTERPRET=1 $(PY) -m pytest -q tests/kernels; fi
+	@if [ -d tests/kernels ]; then TRITON_INTERPRET=1 $(PY) -m pytest -q -m 'not soak' tests/kernels; fi
 
 # The docker-compose stack for real (builds the image, starts it, sends ~400-token prompts, kills and restarts
 # decode); needs a Docker engine, skips without one. KVSERVE_COMPOSE_PROMPTS=500 runs the issue's load target.
