@@ -257,39 +257,38 @@ def auto_host_bytes(pool_bytes: int, available: int | None) -> int:
     return nbytes
 
 
+def _host_tier_bytes(gb: float | None, pool_bytes: int, block: int) -> int:
+    """Bytes of the host tier: ``gb`` GiB as asked, or unset the automatic size (``auto_host_bytes``); 0 for
+    none. ValueError for an asked size that holds no block or is more than the memory available."""
+    available = available_host_bytes()
+    if gb is None:
+        nbytes = auto_host_bytes(pool_bytes, available)
+        if nbytes < block:
+            log.info("no host KV tier: too little host memory available for one block")
+            return 0
+        log.info("host KV tier: %.2f GiB (automatic: host_kv_cache_gb sets it, 0 turns it off)", nbytes / (1 << 30))
+        return nbytes
+    nbytes = int(gb * (1 << 30))
+    if nbytes and nbytes < block:
+        raise ValueError(f"host_kv_cache_gb={gb} holds no block: one block needs {block / (1 << 20):.2f} MiB")
+    if available is not None and nbytes > available:
+        raise ValueError(f"host_kv_cache_gb={gb} is more than this machine's available memory "
+                         f"({available / (1 << 30):.1f} GiB): lower it")  # fmt: skip
+    return nbytes
+
+
 def build_tiers(config, spec, device: torch.device, block_manager: BlockManager, views: list[LayerKV],
                 fingerprint: str) -> TierConnector | None:  # fmt: skip
     """The engine's memory tiers as its config asks, or None (no host tier); ValueError for a bad config."""
     if config.disk_kv_cache_gb and not config.disk_kv_cache_dir:
         raise ValueError("disk_kv_cache_gb is set but disk_kv_cache_dir is not: name the directory for the disk tier")
     block = spec.bytes_per_block()
-    if config.host_kv_cache_gb is None:
-        nbytes = auto_host_bytes(spec.total_bytes(block_manager.num_blocks), available_host_bytes())
-        if nbytes < block:
-            if config.disk_kv_cache_dir:
-                raise ValueError("disk_kv_cache_dir needs a host tier, and this machine has too little memory "
-                                 "available for the automatic one: set host_kv_cache_gb")  # fmt: skip
-            log.info("no host KV tier: too little host memory available for one block")
-            return None
-        log.info("host KV tier: %.2f GiB (automatic: host_kv_cache_gb sets it, 0 turns it off)", nbytes / (1 << 30))
-    else:
-        if config.disk_kv_cache_dir and not config.host_kv_cache_gb:
-            raise ValueError("disk_kv_cache_dir needs a host tier: host_kv_cache_gb=0 turns it off (the disk tier "
-                             "sits below it)")  # fmt: skip
-        if not config.host_kv_cache_gb:
-            return None
-        nbytes = int(config.host_kv_cache_gb * (1 << 30))
-        if nbytes < block:
-            raise ValueError(
-                f"host_kv_cache_gb={config.host_kv_cache_gb} holds no block: one block needs "
-                f"{block / (1 << 20):.2f} MiB"
-            )
-        available = available_host_bytes()
-        if available is not None and nbytes > available:
-            raise ValueError(
-                f"host_kv_cache_gb={config.host_kv_cache_gb} is more than this machine's available memory "
-                f"({available / (1 << 30):.1f} GiB): lower it"
-            )
+    nbytes = _host_tier_bytes(config.host_kv_cache_gb, spec.total_bytes(block_manager.num_blocks), block)
+    if not nbytes:
+        if config.disk_kv_cache_dir:
+            raise ValueError("disk_kv_cache_dir needs a host tier (the disk tier sits below it): host_kv_cache_gb=0 "
+                             "turns it off, and unset it found too little memory available for one block")  # fmt: skip
+        return None
     host = HostTier(spec, nbytes // block, pin_memory=device.type == "cuda")
     disk = None
     if config.disk_kv_cache_dir:
