@@ -20,7 +20,7 @@ class Tokenizer:
         # When tokenizer_config.json declares its class (and no remote code), AutoTokenizer reads the model's config
         # only for its model type, name and declared class. Handing it the generic config made from config.json
         # then skips importing the architecture's config module, which pulls in transformers' modeling stack
-        # (~1.5 s of a CPU in every worker and router start); tests/test_tokenizer.py checks the same class
+        # (~1.5 s of a CPU in every worker and router start); tests/unit/test_tokenizer.py checks the same class
         # comes out. Without a declared class the config's own type chooses it: then the plain way.
         config = None
         tokenizer_config = _json(path / "tokenizer_config.json")

@@ -5,7 +5,7 @@ between machines, so KV crosses a real network link (veth pairs and a bridge) th
 Every process is the real entry point (``python -m router``, ``prefill_service``, ``decode_service``, the
 embedded Redis's server binary), with a credential of its role from one cluster token, as ``kvserve up``
 runs them; each worker registers the address it can be reached at (``--advertise``). The caller reaches the
-router at ``MultiHost.endpoint`` through the root namespace's link. Used by ``tests/test_multihost.py`` and by
+router at ``MultiHost.endpoint`` through the root namespace's link. Used by ``tests/cluster/test_multihost.py`` and by
 ``kvserve bench serve --netns``. Leaving ``multihost_cluster`` kills every process with its host and deletes
 every namespace and link.
 """

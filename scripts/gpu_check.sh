@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of issue 8 (and of issues 3 and 4) in one run, for a session lent an NVIDIA GPU (the device tool).
 #   here first:  bash scripts/gpu_wheels.sh          (the packages the GPU machine lacks, into .whl/)
-#                pytest -m soak tests/test_gpu_check_script.py   (every step's command line, on the CPU)
+#                pytest -m soak tests/deploy/test_gpu_check_script.py   (every step's command line, on the CPU)
 #   then:        device run, command "bash scripts/gpu_check.sh", carry [".whl"], timeout_s 560
 # Each step runs under its own limit (seconds; 520 together, so that with the wheels' install the command
 # takes at most 9 minutes; the machine's start comes on top); its output is also written to $OUT/<step>.txt.
@@ -29,7 +29,7 @@
 #   moe-offline    25  kvserve bench offline on it against transformers' generate (8 prompts of 32-128 tokens,
 #                      32 new tokens each): the grouped-GEMM experts (torch._grouped_mm) and their decode
 #                      graphs on the GPU, tokens/s and identical greedy outputs
-# GPU_CHECK_SMOKE=1 (tests/test_gpu_check_script.py, on a CPU) runs the same command lines with tiny sizes
+# GPU_CHECK_SMOKE=1 (tests/deploy/test_gpu_check_script.py, on a CPU) runs the same command lines with tiny sizes
 # on the model directory GPU_CHECK_MODEL, with $PYTHON and no wheels; a step marked --smoke-parse (it needs
 # CUDA, or minutes of a CPU) then only parses its command line.
 set -uo pipefail
@@ -41,7 +41,7 @@ if [ "$smoke" = 1 ]; then
     model=${GPU_CHECK_MODEL:?GPU_CHECK_SMOKE=1 needs GPU_CHECK_MODEL, a small model directory}
     batch_sizes=1,2 prompt_len=8 max_tokens=4 profile_batch=2 profile_steps=2 nano_requests=3 nano_lengths=4,8
     device=cpu transfer_tokens=64 tier_blocks=4,8
-    gpu_tests=tests/test_cuda_graph.py spec_tokens=8 moe_model=$model moe_prompts=2 moe_tokens=4  # (collecting all of tests/ takes ~10 s of a CPU to run no test)
+    gpu_tests=tests/unit/test_cuda_graph.py spec_tokens=8 moe_model=$model moe_prompts=2 moe_tokens=4  # (collecting all of tests/ takes ~10 s of a CPU to run no test)
     export PYTHONPATH=. PYTHONUNBUFFERED=1
 else
     model=/tmp/qwen2-0.5b

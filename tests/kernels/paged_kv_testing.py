@@ -4,9 +4,8 @@ With CUDA the kernels are compiled and run on the GPU. Without it the
 ``interpreted_triton`` fixture sets ``TRITON_INTERPRET=1`` while a kernel test
 module runs (Triton reads it when it, or a kernel module, is imported *and*
 when a kernel launches) and removes it afterwards, so other modules keep the fast
-reference path. Test modules import that fixture from here; there is no
-``conftest.py`` so that ``from conftest import ...`` in ``tests/`` keeps
-meaning ``tests/conftest.py``.
+reference path. Test modules import that fixture from here: ``tests/conftest.py``
+is the suite's one conftest.
 """
 
 from __future__ import annotations

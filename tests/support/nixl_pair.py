@@ -1,0 +1,103 @@
+"""Two NIXL agents in this process (NIXL allows it; UCX moves DRAM between them as between hosts): a decode
+pool and a prefill worker's transport. Run by tests/cluster/test_transfer_nixl.py in a process of its own (see there);
+prints ``<check>: ok`` per check and exits non-zero at the first failed one."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from cluster_state import lease
+from kvstore.kv_cache import KVCache, KVCacheSpec
+from protos.kvserve.v1 import kvserve_pb2 as pb
+from rpc.auth import Security
+from transfer import nixl
+from transfer.backend import Backend
+from transfer.blocks import checksum_blocks
+from transfer.transport import Origin, TransferFailed
+
+SPEC = KVCacheSpec(2, 2, 16, 4, torch.float32)
+
+
+def _destination(pool: nixl.NixlPool, worker_id: str, num_blocks: int, block_ids: list[int]) -> pb.KVDestination:
+    return pb.KVDestination(worker_id=worker_id, backend=Backend.NIXL, fingerprint="fp", block_ids=block_ids,
+                            num_blocks=num_blocks, nixl_metadata=pool.metadata, nixl_pool=pool.pool)  # fmt: skip
+
+
+def _arrived(pool: nixl.NixlPool, timeout_s: float = 5.0) -> list[tuple[str, str]]:
+    deadline, got = time.monotonic() + timeout_s, []
+    while not got and time.monotonic() < deadline:
+        got = pool.arrived()
+        time.sleep(0.01)
+    return got
+
+
+def write() -> None:
+    """The leased blocks (not consecutive, in another order) arrive intact, read back through the pool itself
+    rather than through NIXL; nothing else is written; the notification names the writer and the request; a
+    write whose blocks do not pair up fails in ``finish``."""
+    decode, source = KVCache(SPEC, 32, "cpu"), KVCache(SPEC, 24, "cpu")
+    source.buffer.copy_(torch.randint(0, 255, source.buffer.shape, dtype=torch.uint8))
+    pool = nixl.NixlPool(decode, "decode-n")
+    src, dst = [3, 4, 5, 11, 0], [20, 21, 7, 8, 30]
+    transport = nixl.NixlTransport.open(_destination(pool, "decode-n", 32, dst),
+                                        Origin(SPEC, "fp", "prefill-n", Security(token="t")))  # fmt: skip
+    taken = transport.take(source, src, "req-1", dst, time.monotonic() + 10)
+    digest = asyncio.run(transport.finish("req-1", dst, taken))
+    assert digest == checksum_blocks(source, src) != "", taken
+    assert checksum_blocks(decode, dst) == digest
+    untouched = [b for b in range(32) if b not in dst]  # still zeros
+    assert checksum_blocks(decode, untouched) == checksum_blocks(KVCache(SPEC, 32, "cpu"), untouched)
+    assert _arrived(pool) == [("prefill-n", "req-1")]
+    mismatched = transport.take(source, src, "req-2", dst[:2])
+    try:
+        asyncio.run(transport.finish("req-2", dst[:2], mismatched))
+        raise AssertionError("a write of 5 blocks into 2 leased ones was not refused")
+    except TransferFailed:
+        pass
+    transport.close()
+    pool.close()
+
+
+def metadata() -> None:
+    """A prefill worker loads only the agent of the worker the destination names, and only a destination
+    whose lease verifies: the signature covers the metadata and the pool's address."""
+    pool = nixl.NixlPool(KVCache(SPEC, 8, "cpu"), "decode-m")
+    origin = Origin(SPEC, "fp", "prefill-m", Security(token="t"))
+    for dest, refusal in [(_destination(pool, "decode-other", 8, [1]), "not decode worker"),
+                          (pb.KVDestination(worker_id="decode-m", backend=Backend.NIXL, num_blocks=8), "no NIXL")]:
+        try:
+            nixl.NixlTransport.open(dest, origin)
+            raise AssertionError(f"opened {dest.worker_id}'s pool with {refusal!r} metadata")
+        except ValueError as err:
+            assert refusal in str(err), err
+    security = Security(token="cluster")
+    dest = _destination(pool, "decode-m", 8, [1, 2])
+    lease.grant(security, "req", dest, "prefill-m", 30.0)
+    assert lease.grant_refusal(security, "req", dest, "prefill-m", None, lease.NonceBook()) == ""
+    for field, value in (("nixl_pool", pool.pool.rsplit(":", 1)[0] + ":4096"), ("nixl_metadata", b"forged")):
+        forged = pb.KVDestination()
+        forged.CopyFrom(dest)
+        setattr(forged, field, value)
+        assert "no valid lease" in lease.grant_refusal(security, "req", forged, "prefill-m", None, lease.NonceBook())
+    pool.close()
+
+
+def idle() -> None:
+    """Agents that move nothing cost next to no CPU: NIXL's own progress thread polls without pause (a whole
+    core per agent, 1 s of CPU per second), ours rest between rounds (``transfer.nixl``)."""
+    agents = [nixl._agent(f"idle-{i}") for i in range(2)]
+    for agent in agents:
+        agent.register_memory(torch.zeros(1 << 20, dtype=torch.uint8))
+    before, start = time.process_time(), time.monotonic()
+    time.sleep(2.0)
+    cpu_s, wall_s = time.process_time() - before, time.monotonic() - start
+    assert cpu_s < 0.25 * wall_s, f"two idle agents took {cpu_s:.2f} s of CPU in {wall_s:.2f} s"
+
+
+if __name__ == "__main__":
+    for check in (write, metadata, idle):
+        check()
+        print(f"{check.__name__}: ok", flush=True)
