@@ -12,6 +12,8 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+pytest_plugins = ["startup_count"]  # the run's summary counts cluster and worker start-ups
+
 TESTS = Path(__file__).resolve().parent
 KINDS = ("unit", "kernels", "service", "cluster", "deploy")  # a directory each, and the marker of its tests
 

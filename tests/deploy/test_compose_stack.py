@@ -214,6 +214,10 @@ def _logged_serving_s(service: str, since: float) -> float | None:
     return None
 
 
+def _seconds(value: float | None) -> str:
+    return "(no log line)" if value is None else f"{value:.1f} s"
+
+
 def _first_answer(prompt: str, started: float, after: str) -> dict:
     """Poll ``/v1/completions`` with ``prompt`` until it answers 200 (at most 300 s from ``started``)."""
     while True:
@@ -303,10 +307,11 @@ def test_the_stack_serves_past_256_mib_of_kv_and_a_killed_decode_worker_recovers
     _compose("kill", "decode")
     time.sleep(MANUAL_STOP_WAIT_S)
     state_after_kill = _state("decode")
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     _compose("start", "decode")
     body = _first_answer(prompts[num_before], started, "`start decode`")
     start_s = time.monotonic() - started
+    start_serving_s = _logged_serving_s("decode", started_at)
     if body["choices"][0]["text"] != expected[num_before]:
         mismatches.append(f"first answer after `start decode`: {body['choices'][0]['text']!r}")
 
@@ -329,9 +334,9 @@ def test_the_stack_serves_past_256_mib_of_kv_and_a_killed_decode_worker_recovers
           f"expected outputs {offline_s:.0f} s\n{num_before} prompts before the kill: {kv_tokens} KV tokens = "
           f"{kv_bytes / (1 << 20):.1f} MiB ({KV_BYTES_PER_TOKEN} B/token) in {before_s:.0f} s\n"
           f"decode `kill`: {state_after_kill} after {MANUAL_STOP_WAIT_S:.0f} s; `start`: first 200 after "
-          f"{start_s:.1f} s\ndecode crash (SIGKILL): restarted by the policy, first 200 after {recovery_s:.1f} s "
-          f"(target {RECOVERY_TARGET_S:.0f} s); its log says serving after "
-          f"{serving_s if serving_s is None else round(serving_s, 1)} s\n"
+          f"{start_s:.1f} s, its log says serving after {_seconds(start_serving_s)}\n"
+          f"decode crash (SIGKILL): restarted by the policy, first 200 after {recovery_s:.1f} s "
+          f"(target {RECOVERY_TARGET_S:.0f} s); its log says serving after {_seconds(serving_s)}\n"
           f"{total - num_before - 2} more prompts in {after_s:.0f} s ({after_tokens} KV tokens); "
           f"{total} prompts in all, {total - len(mismatches)} answers equal the offline engine's\n"
           f"containers: {restarts}")  # fmt: skip
