@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 import redis
-from cluster_utils import ENGINE_ARGV, Load, cluster, free_base_port, offline_answers, prometheus_values, supervised
+from cluster_utils import (
+    Load,
+    cluster,
+    free_base_port,
+    offline_answers,
+    prometheus_values,
+    supervised,
+    tiny_engine_argv,
+)
 from waiting import wait_until
 
 from cluster_state.registry import Registry
@@ -223,10 +231,10 @@ def _child_pids(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def _start_up(port: int, log: Path, *extra: str) -> tuple[subprocess.Popen, list[str]]:
+def _start_up(port: int, log: Path, engine_argv: list[str]) -> tuple[subprocess.Popen, list[str]]:
     """``kvserve up`` in its own session; returns it once serving, with the lines it printed."""
     cmd = [sys.executable, "-m", "kvserve.cli", "up", "--port", str(port), "--http-port", str(port + 1), "--prefill",
-           "0", *ENGINE_ARGV[2:], *extra]  # fmt: skip
+           "0", *engine_argv]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "a"), text=True, start_new_session=True)
     lines = []
     for line in proc.stdout:
@@ -238,9 +246,9 @@ def _start_up(port: int, log: Path, *extra: str) -> tuple[subprocess.Popen, list
 
 
 @pytest.mark.slow
-def test_killed_launcher_leaves_no_orphans_and_the_next_start_cleans_up(tmp_path):
+def test_killed_launcher_leaves_no_orphans_and_the_next_start_cleans_up(tmp_path, tiny_model_dir):
     port = free_base_port()
-    launcher, lines = _start_up(port, tmp_path / "up.log")
+    launcher, lines = _start_up(port, tmp_path / "up.log", tiny_engine_argv(tiny_model_dir))
     try:
         assert f"decode-0 decode grpc=127.0.0.1:{port + 10} metrics=http://127.0.0.1:{port + 1010}/metrics" in lines
         assert f"router router grpc=127.0.0.1:{port} metrics=http://127.0.0.1:{port + 1}/metrics" in lines

@@ -17,14 +17,14 @@ import stat
 import threading
 import time
 
-from cluster_utils import cluster, discard
+from cluster_utils import cluster, discard, tiny_engine_argv
 from impostor import impostor, wait_port_free
 from redis_probe import NOBODY
 
 from kvserve.client import Client
 from protos.kvserve.v1 import kvserve_pb2 as pb
 
-PROMPT = list(range(1000, 1040))  # token ids no other request here sends: their bytes name this prompt
+PROMPT = list(range(980, 1020))  # token ids no other request here sends: their bytes name this prompt
 LISTED_S = 6.0  # a dead worker stays in the registry for up to its TTL (5 s) after its last heartbeat
 
 
@@ -37,8 +37,8 @@ def _ask_until(endpoint: str, deadline: float, answers: list, errors: list) -> N
                 errors.append(err)
 
 
-def test_impostors_on_dead_workers_ports_get_no_token_and_no_prompt(tmp_path):
-    c = cluster(1, 2, tmp_path, decode_argv=["--prefill-timeout-s", "3"])
+def test_impostors_on_dead_workers_ports_get_no_token_and_no_prompt(tmp_path, tiny_model_dir):
+    c = cluster(1, 2, tmp_path, decode_argv=["--prefill-timeout-s", "3"], engine_argv=tiny_engine_argv(tiny_model_dir))
     try:
         _check_private(getattr(c, "tls_dir", None))
         with Client(c.endpoint, timeout_s=120) as client:

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 import redis
-from cluster_utils import ENGINE_ARGV
+from cluster_utils import tiny_engine_argv
 from waiting import wait_until
 
-from engine import SamplingParams
+from engine import LLM, SamplingParams
 from kvserve import netns
 from kvserve.client import Client
 from kvserve.multihost import multihost_cluster
@@ -41,26 +41,29 @@ WITHOUT_NIXL = {"PYTHONPATH": os.pathsep.join(filter(None, [str(SUPPORT / "witho
 
 
 def prompt(index: int) -> list[int]:
-    return [1, 504, 3458, 288, 2343, 28, 1953, 216 + index, 42]
+    return [1, 504, 345, 288, 234, 28, 195, 216 + index, 42]
 
 
 @pytest.fixture(scope="module", params=["grpc", "nixl"])
-def multihost(request, tmp_path_factory):
-    """grpc: neither worker has NIXL and nothing is forced (across hosts that chooses grpc); nixl: forced."""
+def multihost(request, tmp_path_factory, tiny_model_dir):
+    """The tiny model: what crosses the hosts is KV blocks, the same path whatever the model's size."""
+    # grpc: neither worker has NIXL and nothing is forced (across hosts that chooses grpc); nixl: forced
     if reason := netns.unavailable():
         pytest.skip(reason)
     if request.param == "nixl" and not nixl.installed():
         pytest.skip("NIXL is not installed here: pip install '.[nixl]' (make test does)")
     logs = tmp_path_factory.mktemp(f"multihost-{request.param}")
     forced = ["--kv-transport", "nixl"] if request.param == "nixl" else []
-    with multihost_cluster(ENGINE_ARGV, logs, decode_argv=[*forced, "--prefill-timeout-s", str(PREFILL_TIMEOUT_S)],
+    decode_argv = [*forced, "--prefill-timeout-s", str(PREFILL_TIMEOUT_S)]
+    with multihost_cluster(tiny_engine_argv(tiny_model_dir), logs, decode_argv=decode_argv,
                            worker_env=WITHOUT_NIXL if request.param == "grpc" else None) as cluster:  # fmt: skip
         yield cluster
     assert not netns.ours(), "namespaces or links of this test are left"
 
 
 @pytest.fixture(scope="module")
-def offline_tokens(llm) -> list[list[int]]:
+def offline_tokens(tiny_model_dir) -> list[list[int]]:
+    llm = LLM(str(tiny_model_dir), skip_tokenizer_init=True, block_size=16, num_blocks=256)
     outs = llm.generate([prompt(i) for i in range(NUM_REQUESTS + 1)], SamplingParams(**GREEDY))
     return [out.token_ids for out in outs]
 

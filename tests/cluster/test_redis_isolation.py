@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 import pytest
 import redis
-from cluster_utils import ENGINE_ARGV, discard
+from cluster_utils import discard, tiny_engine_argv
 from redis_probe import NOBODY, listening, probe, probe_as
 
 from kvserve.client import Client
@@ -35,9 +35,9 @@ NUM_REQUESTS = 40
 
 
 @pytest.fixture(scope="module")
-def two_decode(tmp_path_factory) -> Iterator[Cluster]:
-    """``kvserve up --prefill 0 --decode 2`` with its embedded Redis."""
-    c = start_cluster(num_prefill=0, num_decode=2, port=free_base_port(), engine_argv=ENGINE_ARGV,
+def two_decode(tmp_path_factory, tiny_model_dir) -> Iterator[Cluster]:
+    """``kvserve up --prefill 0 --decode 2`` with its embedded Redis, on the tiny model (nothing here reads text)."""
+    c = start_cluster(num_prefill=0, num_decode=2, port=free_base_port(), engine_argv=tiny_engine_argv(tiny_model_dir),
                       log_dir=str(tmp_path_factory.mktemp("logs")))  # fmt: skip
     yield c
     discard(c)
@@ -65,7 +65,7 @@ def test_another_local_user_cannot_use_the_clusters_redis(two_decode: Cluster, t
 
 
 def _prompt(i: int) -> list[int]:
-    return [1, 504, 3458, 288, 2343, 28, 1953, 216 + i, 42]  # under one block: no prefix pulls it anywhere
+    return [1, 504, 345, 288, 234, 28, 195, 216 + i, 42]  # under one block: no prefix pulls it anywhere
 
 
 def _send(c: Cluster, num_requests: int) -> tuple[Counter, list[str]]:
@@ -133,14 +133,14 @@ def _assert_nowhere_on_a_command_line(c: Cluster, password: str) -> None:
         assert password not in line and quote(password, safe="") not in line, f"pid {pid}: {line}"
 
 
-def test_the_redis_password_is_on_no_command_line(two_decode: Cluster, tmp_path: Path) -> None:
+def test_the_redis_password_is_on_no_command_line(two_decode: Cluster, tmp_path: Path, tiny_model_dir) -> None:
     password = two_decode.redis.password
     assert password, "the embedded Redis has no password"
     _assert_nowhere_on_a_command_line(two_decode, password)
 
     with EmbeddedRedis(password="an external/redis password") as external:  # a --redis-url the user gave
         c = start_cluster(num_prefill=0, num_decode=1, port=free_base_port(), redis_url=external.url,
-                          engine_argv=ENGINE_ARGV, log_dir=str(tmp_path))  # fmt: skip
+                          engine_argv=tiny_engine_argv(tiny_model_dir), log_dir=str(tmp_path))  # fmt: skip
         try:
             _assert_nowhere_on_a_command_line(c, external.password)
         finally:

@@ -19,8 +19,14 @@ from kvserve.supervisor import RestartPolicy, Supervised, Supervisor
 ENGINE_ARGV = ["--model", "default", "--num-blocks", "256", "--block-size", "16"]
 
 
+def tiny_engine_argv(model_dir) -> list[str]:
+    """Engine flags for the ``tiny_model_dir`` fixture's model: for tests of plumbing (faults, trust, routing),
+    where no real text matters; prompts are token ids below 1,024."""
+    return ["--model", str(model_dir), "--skip-tokenizer-init", "true", "--num-blocks", "256", "--block-size", "16"]
+
+
 def cluster(num_prefill: int, num_decode: int, log_dir, decode_argv=None, prefill_argv=None,
-            http: bool = False) -> Cluster:  # fmt: skip
+            http: bool = False, engine_argv: list[str] = ENGINE_ARGV) -> Cluster:  # fmt: skip
     """``http``: the router also serves the OpenAI-compatible API (``Cluster.http_endpoint``)."""
     port = free_base_port()
     return start_cluster(
@@ -28,7 +34,7 @@ def cluster(num_prefill: int, num_decode: int, log_dir, decode_argv=None, prefil
         num_decode=num_decode,
         port=port,
         http_port=port + 1 if http else 0,
-        engine_argv=ENGINE_ARGV,
+        engine_argv=engine_argv,
         decode_argv=decode_argv,
         prefill_argv=prefill_argv,
         log_dir=str(log_dir),
