@@ -24,7 +24,7 @@ import torch  # noqa: E402
 pytest_plugins = ["startup_count"]  # the run's summary counts cluster and worker start-ups
 
 TESTS = Path(__file__).resolve().parent
-KINDS = ("unit", "kernels", "service", "cluster", "deploy")  # a directory each, and the marker of its tests
+KINDS = ("unit", "engine", "kernels", "service", "cluster", "deploy")  # a directory each, and the marker of its tests
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -45,14 +45,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    """A unit test starts no process: not in its body, nor in a fixture it sets up (a Redis server, a worker).
-    Starting one raises, naming the test, so a test that needs one moves to service/ or cluster/."""
-    if item.get_closest_marker("unit") is None:
+    """A unit or engine test starts no process: not in its body, nor in a fixture it sets up (a Redis server, a
+    worker). Starting one raises, naming the test, so a test that needs one moves to service/ or cluster/."""
+    kind = next((k for k in ("unit", "engine") if item.get_closest_marker(k) is not None), None)
+    if kind is None:
         return (yield)
 
     def refuse(*args, **kwargs):
-        raise AssertionError(f"{item.nodeid} is a unit test and started a process: it belongs in tests/service/ "
-                             "(in-process gRPC, embedded Redis) or tests/cluster/ (worker processes)")
+        raise AssertionError(f"{item.nodeid} is a{'n' if kind == 'engine' else ''} {kind} test and started a "
+                             "process: it belongs in tests/service/ (in-process gRPC, embedded Redis) or "
+                             "tests/cluster/ (worker processes)")
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(subprocess.Popen, "_execute_child", refuse)
