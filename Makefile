@@ -41,6 +41,21 @@ test: $(STAMP)
 test-unit: $(STAMP)
 	$(PY) -m pytest -q -m 'not soak' tests/unit
 
+# The modules that compare KV, bytes or tokens across schedules, at this CPU's ISA and under lower ones, so that
+# a test whose bit-equality only this CPU's kernels give fails here (tests/conftest.py's docstring: exactness).
+# ATEN_CPU_CAPABILITY picks ATen's kernels (softmax, SiLU, attention); MKL_ENABLE_INSTRUCTIONS caps MKL's BLAS on
+# Intel CPUs only (it changes nothing on AMD), MKL_CBWR (a reproducible code path) changes the GEMMs on both.
+ISA_MODULES := tests/engine/test_handoff.py tests/engine/test_prefix_cache.py tests/engine/test_tiers.py \
+	tests/unit/test_disk_tier.py tests/unit/test_transfer_backend.py tests/unit/test_transfer_blocks.py \
+	tests/unit/test_transfer_shm.py tests/engine/test_continuation.py tests/engine/test_speculative.py \
+	tests/engine/test_engine_correctness.py tests/engine/test_streaming.py tests/engine/test_kv_consistency.py \
+	tests/unit/test_sampler.py
+test-isa: $(STAMP)
+	$(PY) -m pytest -q -m 'not soak' $(ISA_MODULES)
+	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 MKL_CBWR=AVX2 $(PY) -m pytest -q -m 'not soak' $(ISA_MODULES)
+	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 MKL_CBWR=COMPATIBLE \
+		$(PY) -m pytest -q -m 'not soak' $(ISA_MODULES)
+
 # The docker-compose stack for real (builds the image, imports every service in it, starts it, sends ~400-token
 # prompts, stops and crashes decode); needs a Docker engine and Compose v2 or v1, and fails with the reason
 # and the fix without them: it never passes on nothing. KVSERVE_COMPOSE_PROMPTS=500 runs a longer load.

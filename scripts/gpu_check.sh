@@ -41,7 +41,7 @@ if [ "$smoke" = 1 ]; then
     model=${GPU_CHECK_MODEL:?GPU_CHECK_SMOKE=1 needs GPU_CHECK_MODEL, a small model directory}
     batch_sizes=1,2 prompt_len=8 max_tokens=4 profile_batch=2 profile_steps=2 nano_requests=3 nano_lengths=4,8
     device=cpu transfer_tokens=64 tier_blocks=4,8
-    gpu_tests=tests/unit/test_cuda_graph.py spec_tokens=8 moe_model=$model moe_prompts=2 moe_tokens=4  # (collecting all of tests/ takes ~10 s of a CPU to run no test)
+    gpu_tests=tests/engine/test_cuda_graph.py spec_tokens=8 moe_model=$model moe_prompts=2 moe_tokens=4  # (collecting all of tests/ takes ~10 s of a CPU to run no test)
     export PYTHONPATH=. PYTHONUNBUFFERED=1
 else
     model=/tmp/qwen2-0.5b

@@ -84,7 +84,7 @@ def test_ring_decode_matches_a_dense_window_and_triton(dtype, block_size, window
     expected = reference.paged_decode_attention(*args, q_sink=q_sink, ring=rings)
 
     for i, (spec, length) in enumerate(zip(specs, lengths, strict=True)):
-        if spec is None:  # a sequence without a window in a ring batch: exactly the path without one
+        if spec is None:  # without a window in a ring batch: the call without a ring on its row, bit-equal
             row = slice(i, i + 1)
             plain = reference.paged_decode_attention(q[row], k_cache, v_cache, tables[row], seq_lens[row], scale)
             assert torch.equal(expected[i], plain[0])
@@ -150,4 +150,7 @@ def test_a_full_row_in_a_ring_batch_equals_the_plain_kernel():
     with_ring = ops.decode(q, k_cache, v_cache, tables, seq_lens, HEAD_DIM**-0.5, q_sink=q.clone(), ring=rings,
                            num_splits=2)  # fmt: skip
     plain = ops.decode(q[:1], k_cache, v_cache, tables[:1], seq_lens[:1], HEAD_DIM**-0.5, num_splits=2)
-    assert torch.equal(with_ring[0], plain[0])
+    # Within 1e-5 (fp32: ~100 ulps), not bit-equal: the ring kernel is another compilation (RING); its full row
+    # takes the same tiles in the same order through other code, and a compiler may fuse multiply-adds otherwise. A
+    # window or sink applied to the row by mistake changes the output by far more than 1e-5.
+    torch.testing.assert_close(with_ring[0], plain[0], rtol=1e-5, atol=1e-6)

@@ -64,7 +64,7 @@ def test_store_writes_exactly_the_mapped_slots(dtype, num_kv_heads, head_dim, bl
         triton_ops().store, k, v, slots, caches, slot_dtype
     )
 
-    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)  # storing float KV is a copy
     written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
     written[slots[slots >= 0]] = True
     assert (k_cache.flatten(0, 1)[~written] == SENTINEL).all()  # skipped and unmapped slots untouched

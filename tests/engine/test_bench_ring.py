@@ -11,7 +11,7 @@ from kvserve.cli import main
 from kvstore.ring import RingSpec
 
 
-# on demand (~9 s): pytest -m soak tests/unit/test_bench_ring.py; test_streaming.py checks the ring's flat memory
+# on demand (~9 s): pytest -m soak tests/engine/test_bench_ring.py; test_streaming.py checks the ring's flat memory
 @pytest.mark.soak
 def test_ring_bench_writes_its_plot_and_its_ring_stays_flat(tmp_path, capsys):
     png, out = tmp_path / "ring.png", tmp_path / "ring.json"

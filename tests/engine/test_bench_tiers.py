@@ -12,7 +12,7 @@ from kvserve.bench.tiers import FLOOR
 from kvserve.cli import main
 
 
-# on demand (~25 s): pytest -m soak tests/unit/test_bench_tiers.py; test_tiers.py checks that tier hits, swaps and
+# on demand (~25 s): pytest -m soak tests/engine/test_bench_tiers.py; test_tiers.py checks that tier hits, swaps and
 # recomputes give the same tokens
 @pytest.mark.soak
 def test_tiers_bench_compares_three_pools_on_the_same_turns(tmp_path, capsys):

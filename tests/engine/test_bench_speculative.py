@@ -11,7 +11,7 @@ import pytest
 from kvserve.cli import main
 
 
-# on demand (~30 s): pytest -m soak tests/unit/test_bench_speculative.py; test_speculative.py checks the tokens
+# on demand (~30 s): pytest -m soak tests/engine/test_bench_speculative.py; test_speculative.py checks the tokens
 @pytest.mark.soak
 def test_speculative_bench_rows(tmp_path, capsys):
     out = tmp_path / "spec.json"
