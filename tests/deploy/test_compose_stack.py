@@ -119,7 +119,9 @@ def _prometheus_image() -> None:
     """Where ``prom/prometheus:v3`` is neither here nor pullable (no registry), docker-standins.sh's stand-in
     (``prom/prometheus:latest``, Prometheus 2.x, which loads the same config) is tagged in its place, and said."""
     pinned, standin = "prom/prometheus:v3", "prom/prometheus:latest"
-    have = lambda image: subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode == 0  # noqa: E731
+    def have(image: str) -> bool:
+        return subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode == 0
+
     if have(pinned) or subprocess.run(["docker", "pull", pinned], capture_output=True, timeout=600).returncode == 0:
         return
     assert have(standin), f"{pinned} is not here and cannot be pulled (nor is a stand-in {standin} here)"

@@ -43,7 +43,7 @@ def test_cpu_without_interpreter_runs_the_reference(monkeypatch):
     args = _decode_args(torch.device("cpu"))
 
     assert not kernels.use_triton(torch.device("cpu"))
-    assert torch.equal(kernels.paged_decode_attention(*args), reference.paged_decode_attention(*args))  # one call
+    assert torch.equal(kernels.paged_decode_attention(*args), reference.paged_decode_attention(*args))  # same call
 
 
 def test_interpreter_flag_routes_cpu_tensors_to_triton():
