@@ -30,11 +30,13 @@ $(VENV)/bin/promtool:
 demo: $(STAMP)
 	$(VENV)/bin/kvserve demo
 
-# Tests live by kind in tests/{unit,kernels,service,cluster,deploy}/, each directory its own marker. Kernel tests
-# run the Triton kernels in interpreter mode, which must be switched on before triton is imported, so they get
-# a process of their own. compose and soak tests run on demand only.
+# Tests live by kind in tests/{unit,engine,kernels,service,cluster,deploy}/, each directory its own marker. Two
+# pytest-xdist workers: the tiers that start servers (service, cluster) one after another on one, the rest (unit,
+# engine, deploy) on the other (tests/conftest.py's GROUPS). Kernel tests run the Triton
+# kernels in interpreter mode, which must be switched on before triton is imported, so they get a process of
+# their own. compose and soak tests run on demand only.
 test: $(STAMP)
-	$(PY) -m pytest -q --ignore=tests/kernels -m 'not compose and not soak'
+	$(PY) -m pytest -q -n 2 --dist loadgroup --ignore=tests/kernels -m 'not compose and not soak'
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m 'not soak' tests/kernels
 
 # The unit tier: no process started (tests/conftest.py refuses one), a few minutes.

@@ -5,17 +5,20 @@ hands the exact launch (argument types, constexprs, launch options, and the
 16-byte alignment Triton would see on a GPU) to ``triton.compile`` for
 ``--arch`` (default sm_90). Prints registers, register spills, shared memory
 and how the global loads were lowered, and exits non-zero when a variant fails
-to compile or spills registers. Uses Triton internals (``ASTSource``,
+to compile or spills registers. Variants compile side by side, one process per CPU
+(``--jobs``): LLVM and ptxas use one core each. Uses Triton internals (``ASTSource``,
 ``GPUTarget``, ``JITFunction.run``), so it may need updating with Triton.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import triton
@@ -127,32 +130,49 @@ def _variants(dtype: torch.dtype):
     yield "gumbel argmax v151936", sampling.gumbel_argmax, (torch.empty(256, 151936), rows, rows), {}
 
 
+def check_variant(index: int, arch: int, dtype_name: str) -> list[tuple[str, dict[str, int] | str]]:
+    """``(label, resource usage or the compile error)`` of each kernel that variant ``index`` launches."""
+    name, wrapper, args, kwargs = list(_variants(getattr(torch, dtype_name)))[index]
+    results, seen = [], set()
+    for kernel, launch_args, launch_kwargs in capture_launches(wrapper, *args, **kwargs):
+        label = f"{name} / {kernel.fn.__name__}"
+        if label in seen:
+            continue
+        seen.add(label)
+        try:
+            results.append((label, resource_usage(compile_launch(kernel, launch_args, launch_kwargs, arch))))
+        except Exception as error:  # report every variant, then fail
+            results.append((label, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability without the dot (80, 90, ...)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="variants compiled at once, each in a process of its own (default: one per CPU)")
     options = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
+    count = sum(1 for _ in _variants(getattr(torch, options.dtype)))
+    jobs = [(index, options.arch, options.dtype) for index in range(count)]
+    if options.jobs > 1:  # LLVM and ptxas are single-threaded: one variant per process
+        with ProcessPoolExecutor(options.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(check_variant, *zip(*jobs, strict=True)))
+    else:
+        results = [check_variant(*job) for job in jobs]
     failures = 0
-    seen = set()
-    for name, wrapper, args, kwargs in _variants(getattr(torch, options.dtype)):
-        for kernel, launch_args, launch_kwargs in capture_launches(wrapper, *args, **kwargs):
-            label = f"{name} / {kernel.fn.__name__}"
-            if label in seen:
-                continue
-            seen.add(label)
-            try:
-                usage = resource_usage(compile_launch(kernel, launch_args, launch_kwargs, options.arch))
-            except Exception as error:  # report every variant, then fail
-                failures += 1
-                print(f"FAIL  {label}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-                continue
-            spills = usage["STACK"] + usage["LOCAL"]
-            failures += spills > 0
-            status = "SPILL" if spills else "ok   "
-            print(f"{status} {label:58} regs {usage['REG']:3}  spill bytes {spills}")
+    for label, usage in (item for variant in results for item in variant):
+        if isinstance(usage, str):
+            failures += 1
+            print(f"FAIL  {label}: {usage}")
+            continue
+        spills = usage["STACK"] + usage["LOCAL"]
+        failures += spills > 0
+        status = "SPILL" if spills else "ok   "
+        print(f"{status} {label:58} regs {usage['REG']:3}  spill bytes {spills}")
     print(f"sm_{options.arch}: {'all variants compile without spills' if not failures else f'{failures} problem(s)'}")
     return 1 if failures else 0
 

@@ -25,6 +25,17 @@ pytest_plugins = ["startup_count"]  # the run's summary counts cluster and worke
 
 TESTS = Path(__file__).resolve().parent
 KINDS = ("unit", "engine", "kernels", "service", "cluster", "deploy")  # a directory each, and the marker of its tests
+# ``make test`` runs two pytest-xdist workers (``-n 2 --dist loadgroup``), one per group
+# (``pytest_xdist_make_scheduler`` below). The tiers that start servers (service: gRPC servers and an embedded
+# Redis; cluster: worker processes) bind ports and name Redis servers, shared memory and network namespaces, so
+# they run one at a time, as without xdist; the rest (unit, engine, deploy) run beside them. Measured here, the
+# two groups take about as long.
+GROUPS = {"unit": "no-servers", "engine": "no-servers", "kernels": "no-servers", "deploy": "no-servers",
+          "service": "servers", "cluster": "servers"}  # fmt: skip
+assert GROUPS.keys() == set(KINDS), "every kind of test runs in a group"
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # half the cores each: no OpenMP pool shares a core
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -41,6 +52,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup`` by ``GROUPS``: each group is one unit of work, run in order on one worker. (pytest-xdist's
+    own ``xdist_group`` markers name the group in a node id suffix, which pytest 9.2's node ids no longer carry.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return GROUPS[nodeid.split("/")[1]]
+
+    return ByGroup(config, log)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -3,7 +3,7 @@
 A cluster start is a ``kvserve.cluster.start_cluster`` call, a ``kvserve.multihost`` cluster or a ``kvserve up``
 process a test runs; a worker process is each ``python -m decode_service|prefill_service|router`` this process
 starts (``kvserve up``'s own children are not seen from here). The summary line at the end of the run is what
-the issue's "cluster start-ups per make test" counts."""
+the issue's "cluster start-ups per make test" counts; under pytest-xdist the workers' counts are summed."""
 
 from __future__ import annotations
 
@@ -48,6 +48,17 @@ def pytest_configure(config: pytest.Config) -> None:
             return _original(*args, **kwargs)
 
         setattr(module, name, counted)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under pytest-xdist each worker process counts its own starts and hands them to the controller."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["startups"] = dict(STARTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    STARTS.update(getattr(node, "workeroutput", {}).get("startups", {}))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
