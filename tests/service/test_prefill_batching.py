@@ -101,6 +101,9 @@ def _slow_prefill_and_decode(name: str, max_wait_ms: float, prefill_timeout_s: f
         decode.loop.start()
         server = InProcessServer({"Decode": decode}, aio=aio)
         try:
+            # until its first refresh of the registry, the decode worker knows no prefill worker and prefills
+            # locally: no lease, nothing for these tests to watch (the refresher is slow on a loaded machine)
+            wait_until(lambda: decode.prefills.workers, 10, "the decode worker seeing the prefill worker")
             yield redis.url, prefill, prefill_server, prefill_engine, decode, engine, server.address
         finally:
             server.stop()
