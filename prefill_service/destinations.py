@@ -29,7 +29,7 @@ import torch
 from cluster_state.registry import Registry
 from kvstore.kv_cache import KVCacheSpec
 from protos.kvserve.v1 import kvserve_pb2 as pb
-from rpc.auth import Security
+from security.auth import Security
 from transfer.transport import KVTransport, Origin
 from transfer.transports import transport_class
 

@@ -45,7 +45,7 @@ def model_dir(device, tmp_path_factory, request):
     """The suite's 2-layer random Qwen2 on the CPU; 4 layers, drawn on the GPU, for CUDA."""
     if device == "cpu":
         return request.getfixturevalue("random_qwen2_dir")
-    from engine.random_model import write_random_model
+    from kvserve.testing.random_model import write_random_model
 
     return write_random_model(tmp_path_factory.mktemp("qwen2-cuda"), "qwen2-0.5b", num_layers=4,
                               dtype=torch.float32, device=device)  # fmt: skip
