@@ -58,7 +58,7 @@ from rpc.loop import Loop
 from security.auth import Security
 from security.identity import peer_identity
 from transfer.backend import Backend, nixl_installed
-from transfer.transport import TransferFailed, UnknownBackend
+from transfer.interface import TransferFailed, UnknownBackend
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 The decode worker chooses, per prefill worker, once it has picked one, from what both advertise (host,
 device and offered transports in the registry; whether its own pool lives in a shared-memory file) and puts
 the choice in the lease's ``KVDestination.backend``; the prefill worker opens the transport it names
-(``transfer.transports.transport_class``).
+(``transfer.registry.transport_class``).
 """
 
 from __future__ import annotations

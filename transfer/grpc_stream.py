@@ -23,7 +23,7 @@ from security.auth import CALLER_METADATA
 from security.identity import Identity
 from transfer.backend import Backend
 from transfer.blocks import checksum, chunked, read_blocks, write_blocks
-from transfer.transport import KVTransport, Origin, TransferFailed
+from transfer.interface import KVTransport, Origin, TransferFailed
 
 PUSH_TIMEOUT_S = 30.0
 

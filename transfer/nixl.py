@@ -47,7 +47,7 @@ from kvstore.kv_cache import KVCache, KVCacheSpec
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from transfer.backend import Backend
 from transfer.blocks import checksum_blocks
-from transfer.transport import KVTransport, Origin, TransferFailed
+from transfer.interface import KVTransport, Origin, TransferFailed
 
 WRITE_TIMEOUT_S = 30.0  # a write's limit when the caller names no deadline
 _POLL_S = 0.0002

@@ -60,7 +60,7 @@ def _grpc(source, dest, fp: str, blocks, repeats: int) -> list[float]:
     from security.auth import Security
     from transfer.blocks import checksum_blocks
     from transfer.grpc_stream import GrpcTransport, KVReceiver
-    from transfer.transport import Origin
+    from transfer.interface import Origin
 
     receiver = KVReceiver(dest, fp, lease_holder=lambda request_id: (blocks, "bench"))  # every block leased
     security = Security(token="bench")  # the interceptor's token check is part of every real hand-off
@@ -94,7 +94,7 @@ def _nixl(source, dest, fp: str, blocks, repeats: int) -> list[float]:
     from security.auth import Security
     from transfer import nixl
     from transfer.blocks import checksum_blocks
-    from transfer.transport import Origin
+    from transfer.interface import Origin
 
     pool = nixl.NixlPool(dest, "bench-decode")  # the agents start before the clock does, as in a worker
     lease = pb.KVDestination(worker_id="bench-decode", backend="nixl", block_ids=blocks, num_blocks=dest.num_blocks,

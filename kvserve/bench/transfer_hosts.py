@@ -135,7 +135,7 @@ def prefill_end(device: str, transports: list[str]) -> None:
     from security.auth import Security
     from transfer.blocks import checksum_blocks
     from transfer.grpc_stream import GrpcTransport
-    from transfer.transport import Origin
+    from transfer.interface import Origin
 
     ready = json.loads(sys.stdin.readline())
     s = ready["spec"]

@@ -15,8 +15,8 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.tier_connector import TierConnector, auto_host_bytes
 from kvstore import BlockManager, KVCache, KVCacheSpec
+from kvstore.host_tier import BlockCopier, HostTier
 from kvstore.prefix_hash import block_hashes
-from kvstore.tiers import BlockCopier, HostTier
 
 # -- rows: one block's bytes, every layer ------------------------------------------------------------------
 

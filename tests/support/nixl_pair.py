@@ -16,7 +16,7 @@ from security.auth import Security
 from transfer import nixl
 from transfer.backend import Backend
 from transfer.blocks import checksum_blocks
-from transfer.transport import Origin, TransferFailed
+from transfer.interface import Origin, TransferFailed
 
 SPEC = KVCacheSpec(2, 2, 16, 4, torch.float32)
 
