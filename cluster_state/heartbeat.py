@@ -1,10 +1,10 @@
 """The thread that keeps one worker registered, and puts it back after Redis lost it.
 
-Every ``interval_s`` it sends the worker's current load (``info_fn()``) with ``Registry.heartbeat``, which also
-refreshes the worker's TTL. Two events call for a resync:
+Every ``interval_s`` it calls ``beat()``, which sends the worker's current load (``Registry.heartbeat`` with
+``HEARTBEAT_SCRIPT``) and refreshes its TTL. Two events call for a resync:
 
 * Redis no longer knows the worker (its hash expired during an outage, or Redis restarted empty): the thread
-  registers the full description again (with the latest load);
+  registers the full description again, with the latest load (``register_again()``);
 * Redis came back from an outage (``RedisLink.num_recoveries`` moved): writes made meanwhile were dropped.
 
 In both cases it then calls the worker's ``on_resync()`` (from this thread), where the worker republishes what
@@ -16,13 +16,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from cluster_state.redis_link import RedisLink
-
-if TYPE_CHECKING:
-    from cluster_state.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +36,8 @@ return 1
 
 
 class Heartbeat(threading.Thread):
-    """A daemon thread beating for ``registry.own`` until ``stop()``.
+    """A daemon thread beating for one worker until ``stop()``. ``beat()`` returns whether Redis knows the worker
+    (None: no worker to beat for now); ``register_again()`` whether writing it whole again succeeded.
 
     Invariant: ``synced_recoveries`` is the number of Redis recoveries after which this worker has been fully
     resynchronized (registered and ``on_resync`` returned); a beat that sees more starts a resync.
@@ -48,16 +45,16 @@ class Heartbeat(threading.Thread):
 
     def __init__(
         self,
-        registry: Registry,
+        beat: Callable[[], bool | None],
+        register_again: Callable[[], bool],
         link: RedisLink,
-        info_fn: Callable[[], Mapping[str, int]],
         on_resync: Callable[[], None] | None,
         interval_s: float,
         name: str,
     ) -> None:
         super().__init__(name=name, daemon=True)
-        self._registry, self._link = registry, link
-        self._info_fn, self._on_resync = info_fn, on_resync
+        self._send_beat, self._register_again, self._link = beat, register_again, link
+        self._on_resync = on_resync
         self._interval_s = interval_s
         self._stopping = threading.Event()
         self.synced_recoveries = link.num_recoveries
@@ -66,7 +63,7 @@ class Heartbeat(threading.Thread):
         while not self._stopping.wait(self._interval_s):
             try:
                 self._beat()
-            except Exception:  # a bad info_fn or on_resync must not end the worker's liveness
+            except Exception:  # a bad load or on_resync must not end the worker's liveness
                 logger.exception("heartbeat failed; retrying in %.2f s", self._interval_s)
 
     def stop(self) -> None:
@@ -74,20 +71,14 @@ class Heartbeat(threading.Thread):
         self.join()
 
     def _beat(self) -> None:
-        own = self._registry.own
-        if own is None:
+        known = self._send_beat()
+        if known is None:
             return
-        known = self._registry.heartbeat(own.worker_id, **self._info_fn())
         recoveries = self._link.num_recoveries
         if self._link.down or (known and recoveries == self.synced_recoveries):
             return
-        if not known:
-            own = self._registry.own  # heartbeat() folded the new load into it
-            if own is None:
-                return
-            logger.info("Redis lost worker %s; registering it again", own.worker_id)
-            if not self._registry.register(own):
-                return
+        if not known and not self._register_again():
+            return
         if self._on_resync is not None:
             self._on_resync()
         self.synced_recoveries = recoveries

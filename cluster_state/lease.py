@@ -22,7 +22,7 @@ Signatures: each kind of record is signed for a purpose of its own, so none veri
 (``GRANT_PURPOSE``) covers every field of the ``KVDestination`` (``_grant_parts``: whatever is set, by field
 number, so a field added to the message is covered too); the Redis record (``RECORD_PURPOSE``) covers all
 but its state; a final state carries the writer's ``END_PURPOSE`` signature, and one that does not verify
-reads as ``pending``. All three use the lease key (``rpc.keys``), which decode and prefill workers hold and
+reads as ``pending``. All three use the lease key (``security.keys``), which decode and prefill workers hold and
 the router does not. The check of a grant needs no Redis: the hand-off stays off it.
 
 Time: P stops reading and writing ``WRITE_MARGIN_S`` before the expiry (``write_deadline``, checked before
@@ -50,8 +50,8 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from transfer.backend import Backend
 
 if TYPE_CHECKING:  # cluster_state sits beside rpc: it takes the caller's credentials, never imports them
-    from rpc.auth import Security
-    from rpc.identity import Identity
+    from security.auth import Security
+    from security.identity import Identity
 
 GRANT_PURPOSE = "lease-grant"
 RECORD_PURPOSE = "lease-record"

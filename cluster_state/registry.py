@@ -43,7 +43,7 @@ from cluster_state.worker_reader import WorkerReader
 from cluster_state.workers import LOAD_FIELDS, Role, WorkerInfo, check_load
 
 if TYPE_CHECKING:
-    from rpc.auth import Security
+    from security.auth import Security
 
 logger = logging.getLogger(__name__)
 
@@ -217,8 +217,20 @@ class Registry:
         if self._heartbeat is not None:
             raise RuntimeError("the heartbeat thread is already running")
         name = f"kvserve-heartbeat-{self._own.worker_id}"
-        self._heartbeat = Heartbeat(self, self._link, info_fn, on_resync, interval_s, name)
+        self._heartbeat = Heartbeat(lambda: self._beat_own(info_fn), self._register_own_again, self._link, on_resync,
+                                    interval_s, name)  # fmt: skip
         self._heartbeat.start()
+
+    def _beat_own(self, info_fn: Callable[[], Mapping[str, int]]) -> bool | None:
+        own = self._own
+        return None if own is None else self.heartbeat(own.worker_id, **info_fn())
+
+    def _register_own_again(self) -> bool:
+        own = self._own  # heartbeat() folded the latest load into it
+        if own is None:
+            return False
+        logger.info("Redis lost worker %s; registering it again", own.worker_id)
+        return self.register(own)
 
     def stop(self) -> None:
         """Stop the heartbeat thread, deregister this registry's worker and close the connections. Idempotent."""

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from cluster_state.workers import LOAD_FIELDS, WorkerInfo, verified_load
 
 if TYPE_CHECKING:
-    from rpc.auth import Security
+    from security.auth import Security
 
 logger = logging.getLogger(__name__)
 

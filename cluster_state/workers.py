@@ -1,12 +1,12 @@
 """What the registry stores about each worker (``WorkerInfo``), with its Redis hash encoding.
 
 ``cluster_state.registry.Registry`` reads and writes these records. The encoding is signed: ``to_redis`` adds
-an HMAC (``rpc.auth.Security.sign``) over the fields that say who the worker is and where it serves, and
+an HMAC (``security.auth.Security.sign``) over the fields that say who the worker is and where it serves, and
 ``from_redis`` refuses a hash whose signature does not verify. A worker's load, which steers routing too,
 carries a signature of its own (``load_to_redis``), so that each heartbeat can rewrite it alone;
 ``verified_load`` reads it back only when that signature verifies. Each kind of record is signed for its own
 purpose (here ``worker`` and ``worker-load``, under the registry key, which every member holds; the lease's
-records in cluster_state/lease.py under the lease key), so none verifies as another (``rpc.keys``).
+records in cluster_state/lease.py under the lease key), so none verifies as another (``security.keys``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:
-    from rpc.auth import Security
+    from security.auth import Security
 
 Role = Literal["prefill", "decode", "router"]
 ROLES: tuple[str, ...] = get_args(Role)

@@ -27,10 +27,10 @@ from kvstore.kv_cache import KVCache
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc import metrics
-from rpc.auth import Security
 from rpc.convert import sampling_to_proto
-from rpc.identity import Identity
 from rpc.loop import AsyncioThread
+from security.auth import Security
+from security.identity import Identity
 from transfer.blocks import checksum_blocks
 
 log = logging.getLogger(__name__)

@@ -31,8 +31,8 @@ import torch
 from engine.kv_connector import KVConnector
 from engine.sequence import Sequence
 from kvstore import BlockManager, LayerKV
+from kvstore.host_tier import BlockCopier, HostTier, TierEntry, available_host_bytes
 from kvstore.prefix_hash import block_hashes
-from kvstore.tiers import BlockCopier, HostTier, TierEntry, available_host_bytes
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from kernels.tiles import LOG2E, attend_paged, attend_ring_paged, dot_precision,
 # KV cache dtype is the engine's name for it: "auto" (the model's 16-bit dtype), "int8_v" or "int8".
 #
 # Measured: per GPU (``torch.cuda.get_device_name()``, or "sm_XY" for a whole architecture), the fastest
-# config of a ``python -m kernels.bench --sweep`` on that GPU, which prints these entries ready to paste.
+# config of a ``python -m kvserve.bench.kernels --sweep`` on that GPU, which prints these entries ready to paste.
 _MEASURED_CONFIGS: dict[str, dict[tuple[int, str], tuple[int, int, int]]] = {
     "NVIDIA H200": {
         # 2026-11-30, batch 64, ctx 2048, 32:8: 138.8 us = 3.87 TB/s, against 180.5 us for (64, 4, 3).

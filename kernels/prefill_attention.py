@@ -40,7 +40,7 @@ from kernels.tiles import (
 )
 
 # head_dim (padded) -> (BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages). Not measured; chosen so
-# that Triton 3.9 compiles every variant for sm_80 and sm_90 without register spills (kernels.compile_check).
+# that Triton 3.9 compiles every variant for sm_80 and sm_90 without register spills (kvserve.bench.kernel_compile).
 _CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 8, 2), 256: (32, 32, 4, 1)}
 _DEFAULT_CONFIG = (32, 32, 4, 1)
 

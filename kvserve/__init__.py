@@ -1,13 +1,18 @@
-"""What users touch: the ``kvserve`` command line, the client library (``Client``, ``AsyncClient``), the local
-cluster launcher and the benchmarks (``kvserve.bench``)."""
+"""What users touch: the client library (``Client``, ``AsyncClient``) and the ``kvserve`` command line (``cli``,
+``demo``, ``healthcheck``, ``settings``). Rooms of their own hold the rest: ``launcher`` (the local cluster and its
+supervisor), ``bench`` (the benchmarks) and ``testing`` (network namespaces, the multi-host cluster, random
+models).
 
-import os
-
-# The launcher (``kvserve up``) starts children with fork + exec from a process that already runs gRPC threads;
-# gRPC's fork handlers then abort the child between the two (SIGABRT, "epoll_wait error: Bad file
-# descriptor"). Nothing here uses gRPC across a fork, so they stay off; it must be set before grpc loads.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-
-from kvserve.client import AsyncClient, Client  # noqa: E402
+Importing the package loads nothing and sets nothing: ``from kvserve import Client`` loads the client (gRPC, no
+torch) on first use, so the launcher can still switch gRPC's fork handlers off before grpc loads
+(``kvserve.launcher``)."""
 
 __all__ = ["AsyncClient", "Client"]
+
+
+def __getattr__(name: str):  # noqa: ANN202 - the client's classes, loaded on first use (PEP 562)
+    if name in __all__:
+        from kvserve import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'kvserve' has no attribute {name!r}")

@@ -9,12 +9,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import kvserve.launcher  # noqa: F401 - first: it switches gRPC's fork handlers off before grpc loads
+
 if TYPE_CHECKING:
     import grpc
 
-    from kvserve.cluster import Cluster
+    from kvserve.launcher.cluster import Cluster
     from kvserve.settings import UpSettings
-    from rpc.auth import Security
+    from security.auth import Security
 
 
 def _model_prepare(args: argparse.Namespace) -> None:
@@ -26,7 +28,7 @@ def _model_prepare(args: argparse.Namespace) -> None:
 def _model_random(args: argparse.Namespace) -> None:
     import torch
 
-    from engine.random_model import write_random_model
+    from kvserve.testing.random_model import write_random_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = write_random_model(args.out, args.like, num_layers=args.layers, dtype=getattr(torch, args.dtype),
@@ -45,7 +47,7 @@ def _cluster_security(up: UpSettings) -> Security:
     calls are authenticated unless ``--insecure-internal`` is given."""
     import secrets
 
-    from rpc.auth import TOKEN_ENV, load_token, security_from_settings
+    from security.auth import TOKEN_ENV, load_token, security_from_settings
 
     if up.cluster_certs:
         raise ValueError("kvserve up makes its children's cluster certificates itself: drop --cluster-certs")
@@ -61,8 +63,8 @@ def _up(up: UpSettings) -> None:
     import signal
     import threading
 
-    from kvserve.cluster import start_cluster
-    from kvserve.supervisor import Supervisor
+    from kvserve.launcher.cluster import start_cluster
+    from kvserve.launcher.supervisor import Supervisor
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kvserve %(levelname)s %(message)s")
     if up.redis_tcp and up.redis_url:
@@ -125,9 +127,9 @@ def _describe_redis(cluster: Cluster) -> str:
 
 
 def _certs(args: argparse.Namespace) -> None:
-    """``kvserve certs``: see ``kvserve.certs``; the cluster token, when one is set, is the cluster secret."""
-    from kvserve.certs import make_cluster_dir
-    from rpc.auth import load_token
+    """``kvserve certs``: see ``security.certs``; the cluster token, when one is set, is the cluster secret."""
+    from security.auth import load_token
+    from security.certs import make_cluster_dir
 
     made = make_cluster_dir(Path(args.out), args.names, tuple(args.hosts), secret=load_token())
     print("\n".join(map(str, made)) if made else f"kvserve: {args.out} holds every process named already")
@@ -168,7 +170,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHES:
         import importlib
 
-        importlib.import_module(f"kvserve.bench.{argv[1].replace('-', '_')}").main(argv[2:])
+        status = importlib.import_module(f"kvserve.bench.{argv[1].replace('-', '_')}").main(argv[2:])
+        if status:  # a bench that found a problem (kernels: no GPU)
+            sys.exit(status)
         return
     if argv[:1] == ["up"]:  # its flags come from its settings model (``kvserve.settings``)
         from kvserve import settings
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     prepare = model.add_parser("prepare", help="convert the bundled model (or check a model directory) once")
     prepare.add_argument("--model", default="default", help="'default' or a local Hugging Face model directory")
     prepare.set_defaults(func=_model_prepare)
-    from engine.random_model import PRESETS
+    from kvserve.testing.random_model import PRESETS
 
     rand = model.add_parser("random", help="write a randomly initialised model of a real model's shape")
     rand.add_argument("--like", required=True, choices=sorted(PRESETS), help="whose shape to copy")

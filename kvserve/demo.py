@@ -26,7 +26,7 @@ def _ask(address: str, question: str) -> tuple[str, str, object, float]:
 
 
 def main(model: str = "default") -> None:
-    from kvserve.cluster import start_cluster
+    from kvserve.launcher.cluster import start_cluster
 
     print("starting the cluster: embedded Redis, 1 prefill worker, 1 decode worker, router ...", flush=True)
     cluster = start_cluster(engine_argv=["--model", model], port=50051)

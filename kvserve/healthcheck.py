@@ -14,9 +14,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import Field
 
-from rpc.auth import Security, security_from_settings
 from rpc.options import SecuritySettings
 from rpc.settings import parse_settings
+from security.auth import Security, security_from_settings
 
 
 def health_status(address: str, timeout_s: float, security: Security) -> str:

@@ -1,4 +1,4 @@
-"""``kvserve up``: start a local cluster (Redis, prefill and decode workers, a router; see kvserve/cluster.py),
+"""``kvserve up``: start a local cluster (Redis, prefill and decode workers, a router; see kvserve/launcher/cluster.py),
 then supervise it until Ctrl-C or SIGTERM.
 
 Every flag is also the environment variable KVSERVE_<FLAG> (the flag wins). The launcher passes the options
@@ -9,7 +9,7 @@ it shares with its children on by walking their models (``rpc.settings.settings_
   own shared-memory pool;
 * the router gets the model's options (``ModelSettings``) and the stream options (``StreamSettings``);
 * the decode workers get ``--kv-transport``;
-* security: ``--insecure-internal`` every child, ``--tls-*`` the router only (``kvserve.cluster_tls``); the
+* security: ``--insecure-internal`` every child, ``--tls-*`` the router only (``security.cluster_tls``); the
   token and the API key go through the environment, never a command line.
 """
 
@@ -79,7 +79,7 @@ class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings
         return settings_argv(self, fields_of(StreamSettings))
 
     def security_argv(self) -> list[str]:
-        """``--insecure-internal`` and ``--tls-*`` (absolute: ``kvserve.cluster_tls`` reads them too) as given."""
+        """``--insecure-internal`` and ``--tls-*`` (absolute: ``security.cluster_tls`` reads them too) as given."""
         paths = {name: str(Path(path).absolute()) for name in ("tls_cert", "tls_key", "tls_ca")
                  if (path := getattr(self, name))}  # fmt: skip
         passed = fields_of(SecuritySettings, ("cluster_token_file", "cluster_certs"))  # environment; made by up

@@ -7,13 +7,8 @@ the file is written and from the file after. A ``load`` that finds the file corr
 tokens deletes it and reports a miss, so the engine recomputes the block. A restarted worker rescans the
 directory and re-announces what it finds (``hashes``, ``take_events``).
 
-Files live in ``<directory>/<fingerprint>/<hash[:2]>/<hash>``: a header (``MAGIC``, ``FORMAT_VERSION``, the
-layout fingerprint, the block's hash, its parent's hash, its token ids, the payload's length and xxh3-128), then
-the payload: the block laid out as a one-block pool of ``spec`` (``KVCache(spec, 1)``: every layer's K, V and
-INT8 scales, each padded like the pool). A file is written to a temp file beside it and renamed over its name,
-so a crash leaves a whole file or a temp file that the next start deletes. There is no fsync: after a power loss
-a renamed file may be short or hold garbage, which the start-up scan (length) or ``load`` (checksum) catches;
-either costs a recompute, never a wrong token, and the writer does not stall on the disk's flushes.
+The files' format is ``kvstore.disk_format``'s: written to a temp file beside its name and renamed over it,
+so a crash leaves a whole file or a temp file that the next start deletes; no fsync (see there).
 
 Once the start-up scan is done, only the writer thread changes files (writes, deletes, mtime touches), in the
 order they were queued, so a delete queued by an eviction can never remove a newer write of the same block.
@@ -24,84 +19,19 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import re
 import shutil
-import struct
-import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-import xxhash
 
+from kvstore import disk_format
 from kvstore.kv_cache import KVCache, KVCacheSpec, LayerKV, copy_blocks
 
-MAGIC = b"KVSDISK\x00"
-FORMAT_VERSION = 1
-# magic, version, lengths of the fingerprint, hash and parent hash (ASCII), number of tokens (int64 each),
-# payload length, xxh3-128 digest of the payload
-_HEADER = struct.Struct("<8sIHHHIQ16s")
-_TMP_PREFIX = ".tmp-"
-_HASH = re.compile(r"[0-9a-f]{3,128}")
-_FINGERPRINT = re.compile(r"[0-9A-Za-z_-]{1,64}")
-_HASH_CHARS = 32  # xxh3-128 in hex (kvstore.prefix_hash): the parent hash of all but a sequence's first block
-_MAX_TOKENS = 1 << 20
-
 log = logging.getLogger(__name__)
-
-
-def _header_bytes(fingerprint: str, block_hash: str, parent_hash: str, num_tokens: int) -> int:
-    return _HEADER.size + len(fingerprint) + len(block_hash) + len(parent_hash) + 8 * num_tokens
-
-
-def bytes_per_file(fingerprint: str, spec: KVCacheSpec) -> int:
-    """The size of one block's file (at most: every block but a sequence's first names a parent hash)."""
-    return _header_bytes(fingerprint, "0" * _HASH_CHARS, "0" * _HASH_CHARS, spec.block_size) + spec.bytes_per_block()
-
-
-@dataclass(frozen=True)
-class _Header:
-    fingerprint: str
-    block_hash: str
-    parent_hash: str
-    token_ids: tuple[int, ...]
-    payload_bytes: int
-    checksum: bytes
-
-    @property
-    def nbytes(self) -> int:
-        return _header_bytes(self.fingerprint, self.block_hash, self.parent_hash, len(self.token_ids))
-
-    def encode(self) -> bytes:
-        names = [self.fingerprint.encode(), self.block_hash.encode(), self.parent_hash.encode()]
-        fixed = _HEADER.pack(MAGIC, FORMAT_VERSION, *map(len, names), len(self.token_ids), self.payload_bytes,
-                             self.checksum)  # fmt: skip
-        return fixed + b"".join(names) + np.asarray(self.token_ids, dtype="<i8").tobytes()
-
-    @classmethod
-    def read(cls, f) -> _Header:
-        """The header at the start of the open file ``f``; ``ValueError`` when it is not one."""
-        fixed = f.read(_HEADER.size)
-        if len(fixed) < _HEADER.size:
-            raise ValueError("shorter than a header")
-        magic, version, n_fp, n_hash, n_parent, n_tokens, payload_bytes, checksum = _HEADER.unpack(fixed)
-        if magic != MAGIC:
-            raise ValueError("not a kvserve disk KV block (bad magic)")
-        if version != FORMAT_VERSION:
-            raise ValueError(f"format version {version}, this build reads {FORMAT_VERSION}")
-        if n_tokens > _MAX_TOKENS:
-            raise ValueError(f"{n_tokens} tokens in one block")
-        rest = f.read(n_fp + n_hash + n_parent + 8 * n_tokens)
-        if len(rest) < n_fp + n_hash + n_parent + 8 * n_tokens:
-            raise ValueError("header cut short")
-        text = rest[: n_fp + n_hash + n_parent].decode("ascii")  # UnicodeDecodeError is a ValueError
-        tokens = np.frombuffer(rest[n_fp + n_hash + n_parent :], dtype="<i8")
-        return cls(text[:n_fp], text[n_fp : n_fp + n_hash], text[n_fp + n_hash :], tuple(tokens.tolist()),
-                   payload_bytes, checksum)  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -123,7 +53,7 @@ class DiskTier:
     * ``used_bytes`` is the sum of the held blocks' file sizes (written or not yet);
     * an entry's ``payload`` is set iff its write is queued or in flight; ``load`` serves it from there;
     * a held block is never served unless its tokens and parent hash match the caller's and, when read from
-      disk, the file's header and checksum match too; a file that fails is deleted and its block dropped.
+      disk, the file's header and disk_format.checksum match too; a file that fails is deleted and its block dropped.
 
     ``take_events`` gives the net change of the held set like ``BlockPool.take_events``; the blocks found at
     start-up count as stored in the first take.
@@ -133,7 +63,7 @@ class DiskTier:
                  max_pending_bytes: int = 256 << 20) -> None:  # fmt: skip
         """``max_pending_bytes`` bounds the bytes waiting for the writer: past it ``store`` drops blocks
         instead of buffering without limit when the disk is slower than the host tier's evictions."""
-        if not _FINGERPRINT.fullmatch(fingerprint):
+        if not disk_format.FINGERPRINT_NAME.fullmatch(fingerprint):
             raise ValueError(f"layout fingerprint {fingerprint!r} cannot name a directory")
         self.root = Path(directory) / fingerprint
         self.fingerprint = fingerprint
@@ -141,11 +71,11 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.max_pending_bytes = max_pending_bytes
         self.payload_bytes = spec.bytes_per_block()
-        self.bytes_per_file = bytes_per_file(fingerprint, spec)
+        self.bytes_per_file = disk_format.bytes_per_file(fingerprint, spec)
         if capacity_bytes < self.bytes_per_file:
             raise ValueError(f"disk KV cache capacity {capacity_bytes} B is less than one block of this layout "
                              f"({self.bytes_per_file} B): raise disk_kv_cache_gb or turn the tier off")  # fmt: skip
-        _check_writable(self.root)
+        disk_format.check_writable(self.root)
 
         self._lock = threading.Lock()
         self._index: OrderedDict[str, _Entry] = OrderedDict()
@@ -192,7 +122,7 @@ class DiskTier:
         """Hold block ``block_id`` of the pool ``layers`` under ``block_hash``. Its bytes are copied before this
         returns; the file is written in the background. A block already held is only touched, not rewritten.
         False when the block was dropped because ``max_pending_bytes`` are already waiting for the disk."""
-        if not _HASH.fullmatch(block_hash):
+        if not disk_format.BLOCK_NAME.fullmatch(block_hash):
             raise ValueError(f"block hash {block_hash!r} is not a hex hash")
         with self._lock:
             if self._closed:
@@ -205,7 +135,7 @@ class DiskTier:
         payload = bytearray(self.payload_bytes)
         copy_blocks(layers, [block_id], self._one_block(payload), [0])
         token_ids = tuple(token_ids)
-        entry = _Entry(parent_hash, token_ids, _header_bytes(self.fingerprint, block_hash, parent_hash,
+        entry = _Entry(parent_hash, token_ids, disk_format.header_bytes(self.fingerprint, block_hash, parent_hash,
                                                              len(token_ids)) + len(payload), payload)  # fmt: skip
         with self._lock:
             if self._touch(block_hash):  # another thread stored it meanwhile
@@ -308,18 +238,13 @@ class DiskTier:
 
     def _read(self, path: Path, block_hash: str, token_ids: tuple[int, ...], parent_hash: str) -> bytearray:
         with open(path, "rb") as f:
-            header = _Header.read(f)
+            header = disk_format.BlockHeader.read(f)
             self._check(header, block_hash)
             if header.token_ids != token_ids or header.parent_hash != parent_hash:
                 raise ValueError("its header names other tokens or another parent than the index")
-            payload = bytearray(header.payload_bytes)
-            if f.readinto(payload) != len(payload) or f.read(1):
-                raise ValueError("payload length differs from its header")
-        if xxhash.xxh3_128_digest(payload) != header.checksum:
-            raise ValueError("checksum mismatch")
-        return payload
+            return disk_format.read_payload(f, header)
 
-    def _check(self, header: _Header, block_hash: str) -> None:
+    def _check(self, header: disk_format.BlockHeader, block_hash: str) -> None:
         if header.fingerprint != self.fingerprint:
             raise ValueError(f"written for layout {header.fingerprint!r}")
         if header.block_hash != block_hash:
@@ -330,33 +255,11 @@ class DiskTier:
     def _rescan(self) -> None:
         """Index the blocks a previous run left (headers only, least recently touched first); delete temp files
         and files whose header or length is wrong."""
-        found = []
-        for shard in self.root.iterdir():
-            if not (shard.is_dir() and re.fullmatch(r"[0-9a-f]{2}", shard.name)):
-                continue
-            for path in shard.iterdir():
-                if path.name.startswith(_TMP_PREFIX):
-                    path.unlink(missing_ok=True)
-                    continue
-                if not (_HASH.fullmatch(path.name) and path.name.startswith(shard.name)):
-                    continue  # not ours to judge
-                try:
-                    with open(path, "rb") as f:
-                        header = _Header.read(f)
-                        stat = os.fstat(f.fileno())
-                    self._check(header, path.name)
-                    if stat.st_size != header.nbytes + header.payload_bytes:
-                        raise ValueError(f"{stat.st_size} B, its header says {header.nbytes + header.payload_bytes}")
-                except (OSError, ValueError) as e:
-                    log.warning("deleting disk KV block %s left by an earlier run: %s", path, e)
-                    path.unlink(missing_ok=True)
-                    continue
-                entry = _Entry(header.parent_hash, header.token_ids, stat.st_size)
-                found.append((stat.st_mtime_ns, path.name, entry))
-        for _, block_hash, entry in sorted(found, key=lambda f: f[:2]):
-            self._index[block_hash] = entry
+        for header, size in disk_format.scan(self.root, self._check):
+            entry = _Entry(header.parent_hash, header.token_ids, size)
+            self._index[header.block_hash] = entry
             self._used += entry.nbytes
-            self._note(block_hash, held=True)
+            self._note(header.block_hash, held=True)
 
     def _write_loop(self) -> None:
         while (op := self._ops.get()) is not None:
@@ -379,10 +282,10 @@ class DiskTier:
             payload = entry.payload if self._index.get(block_hash) is entry else None
         if payload is None:
             return  # evicted before its turn
-        header = _Header(self.fingerprint, block_hash, entry.parent_hash, entry.token_ids, len(payload),
-                         xxhash.xxh3_128_digest(payload))  # fmt: skip
+        header = disk_format.BlockHeader(self.fingerprint, block_hash, entry.parent_hash, entry.token_ids, len(payload),
+                             disk_format.checksum(payload))  # fmt: skip
         try:
-            self._write_file(self._path(block_hash), header.encode(), payload)
+            disk_format.write_block_file(self._path(block_hash), header, payload)
         except OSError as e:
             log.warning("disk KV cache: could not write block %s (%s): dropped", block_hash, e)
             with self._lock:
@@ -393,29 +296,3 @@ class DiskTier:
             if entry.payload is not None:  # not evicted meanwhile (then _evict settled the accounting)
                 self._pending_bytes -= len(entry.payload)
                 entry.payload = None
-
-    def _write_file(self, path: Path, header: bytes, payload: bytearray) -> None:
-        path.parent.mkdir(exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(header)
-                f.write(payload)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-
-def _check_writable(root: Path) -> None:
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"disk KV cache directory {root} cannot be created ({e}): set disk_kv_cache_dir to a "
-                         f"directory this user can write") from e  # fmt: skip
-    try:
-        with tempfile.TemporaryFile(prefix=_TMP_PREFIX, dir=root) as f:
-            f.write(b"probe")
-    except OSError as e:
-        raise ValueError(f"disk KV cache directory {root} is not writable ({e}): set disk_kv_cache_dir to a "
-                         f"directory this user can write") from e  # fmt: skip

@@ -7,7 +7,7 @@ read, replace or delete. So a directory is taken only when it is a real director
 user with mode 0700, or when we create it ourselves; anything else is refused with ``RuntimeError``.
 
 A directory can also be *held* (``hold_dir``): kept open with a shared ``flock`` for as long as its holder
-lives, which is how ``kvserve.scratch`` tells a live cluster's directories from a dead one's.
+lives, which is how ``kvserve.launcher.scratch`` tells a live cluster's directories from a dead one's.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where a prefill worker's KV goes: one opened transport (``transfer.transport.KVTransport``) per decode worker's pool,
+"""Where a prefill worker's KV goes: one opened transport (``transfer.interface.KVTransport``) per decode worker's pool,
 and the leases it ends in Redis once it will never write under them.
 
 Transports are opened on the gRPC event loop, once per pool (``KVTransport.key``); leases are ended by a
@@ -29,9 +29,9 @@ import torch
 from cluster_state.registry import Registry
 from kvstore.kv_cache import KVCacheSpec
 from protos.kvserve.v1 import kvserve_pb2 as pb
-from rpc.auth import Security
-from transfer.transport import KVTransport, Origin
-from transfer.transports import transport_class
+from security.auth import Security
+from transfer.interface import KVTransport, Origin
+from transfer.registry import transport_class
 
 SWEEP_S = 1.0  # the batcher looks for transports whose decode worker is gone at most this often
 
@@ -56,7 +56,7 @@ class Destinations:
                 self._close(key, "the prefill worker stops")
 
     def open(self, dest: pb.KVDestination) -> KVTransport:
-        """The transport to ``dest``'s pool, opened once per pool. Raises ``transfer.transport.UnknownBackend``
+        """The transport to ``dest``'s pool, opened once per pool. Raises ``transfer.interface.UnknownBackend``
         for a backend not served here, ``OSError``/``RuntimeError``/``ValueError`` when the pool cannot be
         opened."""
         transport = transport_class(dest.backend)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from engine import SamplingParams
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from rpc import metrics
-from transfer.transport import KVTransport
+from transfer.interface import KVTransport
 
 
 class LeaseExpired(RuntimeError):

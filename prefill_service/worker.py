@@ -1,8 +1,9 @@
 """A prefill request's life on this worker:
 
-1. ``Prefill`` (a coroutine on the gRPC event loop) checks the destination's
-   fingerprint and its lease (signed by the decode worker for this request, this
-   prefill worker and these blocks: ``cluster_state.lease``), opens the destination pool
+1. ``Prefill`` (a coroutine on the gRPC event loop) checks the request
+   (``request.validate_prefill_request``): the destination's fingerprint, its lease
+   (signed by the decode worker for this request, this prefill worker and these
+   blocks: ``cluster_state.lease``), the prompt and the cached prefix; opens the destination pool
    once per decode worker (``shm``: map its file, only inside this cluster's pool
    directory; closed once that worker is gone: ``destinations``) and queues a
    job for the batcher, then awaits it.
@@ -49,16 +50,15 @@ from kvstore.shared_pool import pool_dir
 from prefill_service.destinations import Destinations
 from prefill_service.handoff import Handoff, HandoffConnector
 from prefill_service.jobs import LeaseExpired, PrefillJob, PrefillResult, settle
+from prefill_service.request import Refused, validate_prefill_request
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc import metrics
-from rpc.auth import Security
-from rpc.identity import peer_identity
 from rpc.loop import Loop
-from rpc.validation import validate_sampling
-from transfer import nixl
-from transfer.backend import Backend
-from transfer.transport import TransferFailed, UnknownBackend
+from security.auth import Security
+from security.identity import peer_identity
+from transfer.backend import Backend, nixl_installed
+from transfer.interface import TransferFailed, UnknownBackend
 
 log = logging.getLogger(__name__)
 
@@ -91,49 +91,17 @@ class PrefillWorker(pb_grpc.PrefillServicer):
     # -- gRPC (event loop) ----------------------------------------------------------------------------
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
-        if self._drain_deadline is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.worker_id} is shutting down")
         dest = request.destination
-        if dest.fingerprint != self.fingerprint:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"KV layout fingerprint {dest.fingerprint!r} differs from this prefill worker's "
-                                f"{self.fingerprint!r}: the workers run different models, dtypes or "
-                                "block sizes")  # fmt: skip
         try:
-            refusal = lease.request_refusal(self.security, request, peer_identity(context), self.worker_id,
-                                            pool_dir(), self.nonces)  # fmt: skip
-        except RuntimeError as err:  # our pool directory is not private to us: map nothing there
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-        if refusal:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
-        try:
-            params = validate_sampling(request.sampling, self.engine.model_config.vocab_size)
-            prompt = self.engine.validate(list(request.prompt_token_ids), params)
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        held, block_size = request.num_cached_tokens, self.engine.config.block_size  # what the destination has
-        if held % block_size or not 0 <= held < len(prompt):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"num_cached_tokens={held} must be whole blocks of {block_size} tokens, "
-                                f"fewer than the prompt's {len(prompt)}")  # fmt: skip
-        if dest.cached_block_ids and (len(dest.cached_block_ids) != held // block_size or dest.backend == Backend.GRPC):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{len(dest.cached_block_ids)} cached block ids must name the {held // block_size} "
-                                f"blocks of the {held} cached tokens, in a pool this worker maps")  # fmt: skip
-        if dest.cached_block_ids and not lease.confirms_prefix(dest, prompt[:held]):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the lease's cached prefix hash does not name "
-                                f"this prompt's first {held} tokens: its cached block ids are not read")  # fmt: skip
-        num_blocks = self.engine.block_manager.num_blocks_for(len(prompt)) - held // block_size  # to write
-        if len(dest.block_ids) < num_blocks:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{len(dest.block_ids)} blocks cannot hold {len(prompt) - held} tokens")  # fmt: skip
-        try:
-            transport = self.destinations.open(dest)
-        except UnknownBackend as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except (OSError, RuntimeError, ValueError) as err:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the decode worker's KV pool: {err}")
-        job = PrefillJob(request.request_id, prompt, params, dest, transport, held, lease.write_deadline(dest))
+            if self._drain_deadline is not None:
+                raise Refused(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.worker_id} is shutting down")
+            checked = validate_prefill_request(request, self.engine, self.fingerprint, lambda: lease.request_refusal(
+                self.security, request, peer_identity(context), self.worker_id, pool_dir(), self.nonces))  # fmt: skip
+            transport = self._open(dest)
+        except Refused as refusal:
+            await context.abort(refusal.code, refusal.message)
+        job = PrefillJob(request.request_id, checked.prompt, checked.params, dest, transport,
+                         checked.num_cached_tokens, lease.write_deadline(dest))  # fmt: skip
         self._jobs.put(job)
         try:
             result: PrefillResult = await asyncio.wrap_future(job.future)
@@ -144,10 +112,9 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
         except Exception as err:  # noqa: BLE001 - reported to the caller as the RPC's status
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {err}")
-        start = time.perf_counter()
-        dst_blocks = list(dest.block_ids)[:num_blocks]
+        start, written = time.perf_counter(), list(dest.block_ids)[: checked.num_blocks]
         try:
-            digest = await transport.finish(request.request_id, dst_blocks, result.taken)
+            digest = await transport.finish(request.request_id, written, result.taken)
         except TransferFailed as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"pushing the KV to decode worker {dest.worker_id} "
                                 f"failed: {err}")  # fmt: skip
@@ -155,12 +122,22 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             first_token_id=result.first_token,
             num_cached_tokens=result.num_cached_tokens,
             checksum=digest,
-            num_tokens_written=len(prompt) - request.num_cached_tokens,
+            num_tokens_written=len(checked.prompt) - checked.num_cached_tokens,
             backend=dest.backend,
             prefill_ms=result.prefill_ms,
             transfer_ms=result.take_ms + (time.perf_counter() - start) * 1000,
             worker_id=self.worker_id,
         )
+
+    def _open(self, dest: pb.KVDestination):  # noqa: ANN202 - a KVTransport
+        """The destination pool's transport, or ``Refused``."""
+        try:
+            return self.destinations.open(dest)
+        except UnknownBackend as err:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        except (OSError, RuntimeError, ValueError) as err:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"cannot open the decode worker's KV pool: {err}") from None
 
     # -- batcher --------------------------------------------------------------------------------------
 
@@ -172,7 +149,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
     def info(self) -> WorkerInfo:
         return WorkerInfo(worker_id=self.worker_id, role="prefill", address=self.address, host_id=local_host_id(),
                           device=str(self.engine.runner.device), fingerprint=self.fingerprint,
-                          block_size=self.engine.config.block_size, transports=Backend.NIXL if nixl.installed() else "",
+                          block_size=self.engine.config.block_size, transports=Backend.NIXL if nixl_installed() else "",
                           **self.load())  # fmt: skip
 
     def drain(self, timeout_s: float) -> None:

@@ -4,7 +4,7 @@ Serves ``kvserve.v1.Inference``, health checking and reflection on one port, and
 API (``router.openai_api``) on ``--http-port`` (0: none), both on one event loop and both with TLS when
 ``--tls-cert`` is given, and both behind the front door (``router.limits``: API key, request size,
 concurrency). Prometheus ``/metrics`` is on the HTTP port, or on ``--metrics-port`` when given. The router
-calls the decode workers' internal service as a member of role ``router`` (``rpc.auth``): with its cluster
+calls the decode workers' internal service as a member of role ``router`` (``security.auth``): with its cluster
 certificate (``--cluster-certs``) over mutual TLS, else with its credential's call token; ``--tls-*`` serve
 its public port only (and its calls too, without ``--cluster-certs``).
 """
@@ -24,10 +24,10 @@ from router.limits import FrontDoor, PublicInference, front_door_from_settings
 from router.routing import RoutingWeights
 from router.server import Router
 from router.settings import RouterSettings
-from rpc.auth import Security, security_from_settings, tls_files
 from rpc.metrics import start_metrics_server
 from rpc.server import add_service, exit_stopped_process, new_server, set_not_serving, start_server
 from rpc.settings import parse_settings, settings_parser
+from security.auth import Security, security_from_settings, tls_files
 
 if TYPE_CHECKING:
     from router.openai_api import HttpServer

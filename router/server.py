@@ -47,10 +47,10 @@ from router.health import WorkerHealth
 from router.routing import RoutingWeights, choose
 from router.validation_queue import DEFAULT_MAX_BACKLOG, ValidationBusy, ValidationQueue
 from rpc import metrics
-from rpc.auth import Security
 from rpc.convert import sampling_to_proto
-from rpc.identity import Identity
 from rpc.streams import cancel_when_stalled
+from security.auth import Security
+from security.identity import Identity
 
 log = logging.getLogger(__name__)
 # A stream that already sent tokens continues on another decode worker after these: the worker died

@@ -11,13 +11,12 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field
 
 from rpc.settings import Settings, env_name
+from transfer.backend import nixl_installed
 
 
 def _nixl_installed(transport: str | None) -> str | None:
     if transport == "nixl":
-        from transfer.nixl import installed  # imports torch: only for this value
-
-        if not installed():
+        if not nixl_installed():
             raise ValueError("nixl needs NIXL, which is not installed here (pip install 'kvserve[nixl]')")
     return transport
 
@@ -56,7 +55,7 @@ REDIS_URL_ENV = env_name(RegistrySettings, "redis_url")
 
 
 class SecuritySettings(Settings):
-    """security: who may call whom (see rpc/auth.py)"""
+    """security: who may call whom (see security/auth.py)"""
 
     cluster_token_file: str | None = Field(
         None,

@@ -16,11 +16,11 @@ from cluster_state.registry import Registry
 from cluster_state.workers import WorkerInfo, local_host_id
 from engine import LLMEngine
 from rpc import metrics
-from rpc.auth import Security, security_from_settings
 from rpc.loop import AsyncioThread, Loop
 from rpc.server import add_service, new_server, set_not_serving, start_server
 from rpc.threads import set_compute_threads
 from rpc.worker_options import WorkerSettings
+from security.auth import Security, security_from_settings
 
 log = logging.getLogger(__name__)
 

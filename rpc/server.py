@@ -31,8 +31,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
-from rpc.auth import GRPC_OPTIONS, Security
-from rpc.identity import Identity
+from security.auth import GRPC_OPTIONS, Security
+from security.identity import Identity
 
 SERVICES = ("Inference", "Decode", "Prefill", "KVTransfer")
 INSTANCE_ENV = "KVSERVE_INSTANCE_ID"

@@ -86,7 +86,7 @@ step() {  # step NAME SECONDS [--smoke-parse] -m MODULE ARGS...
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   "$py" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
 } 2>&1 | tee "$out/machine.txt"
-step kernels-bench 55 -m kernels.bench --sweep-only
+step kernels-bench 55 -m kvserve.bench.kernels --sweep-only
 step gpu-tests 135 -m pytest -q -s -rs -m gpu -p no:cacheprovider "$gpu_tests"
 step cuda-ipc 20 -m kvserve.bench.cuda_ipc
 step random-model 25 --smoke-parse -m kvserve.cli model random --like qwen2-0.5b --out "$model" --dtype bfloat16

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvserve.bench.datasets import shared_prefix_requests  # noqa: E402
 from kvserve.bench.loadgen import LoadResult, run_load  # noqa: E402
 from kvserve.client import Client  # noqa: E402
-from kvserve.cluster import Cluster, free_base_port, start_cluster  # noqa: E402
-from kvserve.processes import Child  # noqa: E402
+from kvserve.launcher.cluster import Cluster, free_base_port, start_cluster  # noqa: E402
+from kvserve.launcher.processes import Child  # noqa: E402
 
 VOCAB = 49152
 GREEDY = {"temperature": 0, "ignore_eos": True}

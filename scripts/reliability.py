@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster_state.registry import Registry  # noqa: E402
 from kvserve.bench.loadgen import BenchRequest, LoadResult, run_load  # noqa: E402
-from kvserve.cluster import Cluster, free_base_port, start_cluster  # noqa: E402
-from kvserve.supervisor import RestartPolicy, Supervisor  # noqa: E402
+from kvserve.launcher.cluster import Cluster, free_base_port, start_cluster  # noqa: E402
+from kvserve.launcher.supervisor import RestartPolicy, Supervisor  # noqa: E402
 
 ENGINE_ARGV = ["--model", "default", "--num-blocks", "512", "--block-size", "16"]
 GREEDY = {"temperature": 0, "ignore_eos": True}

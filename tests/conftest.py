@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # see kvserve/__init__.py: tests start processes too
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # tests start processes too: see kvserve/launcher
 
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -166,7 +166,7 @@ def llm():
 @pytest.fixture(scope="session")
 def random_qwen2_dir(tmp_path_factory):
     """Qwen2-0.5B's width, heads, vocabulary, RoPE theta, q/k/v biases and tied embeddings, in 2 layers (fp32)."""
-    from engine.random_model import write_random_model
+    from kvserve.testing.random_model import write_random_model
 
     return write_random_model(tmp_path_factory.mktemp("qwen2"), "qwen2-0.5b", num_layers=2, dtype=torch.float32)
 
@@ -175,7 +175,7 @@ def random_qwen2_dir(tmp_path_factory):
 def tiny_model_dir(tmp_path_factory):
     """``qwen2-tiny`` (2 layers, width 64, 1,024 tokens, fp32, random weights drawn wide enough that greedy
     answers vary): milliseconds per step, for cluster tests of plumbing (``cluster_utils.tiny_engine_argv``)."""
-    from engine.random_model import write_random_model
+    from kvserve.testing.random_model import write_random_model
 
     return write_random_model(tmp_path_factory.mktemp("qwen2-tiny"), "qwen2-tiny", dtype=torch.float32,
                               overrides={"initializer_range": 0.1})  # fmt: skip
@@ -184,7 +184,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def redis_server():
     """A real Redis server (the embedded one ``kvserve up`` runs) for one test module."""
-    from kvserve.redis_server import EmbeddedRedis
+    from kvserve.launcher.redis_server import EmbeddedRedis
 
     with EmbeddedRedis() as server:
         yield server

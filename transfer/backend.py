@@ -3,11 +3,12 @@
 The decode worker chooses, per prefill worker, once it has picked one, from what both advertise (host,
 device and offered transports in the registry; whether its own pool lives in a shared-memory file) and puts
 the choice in the lease's ``KVDestination.backend``; the prefill worker opens the transport it names
-(``transfer.transports.transport_class``).
+(``transfer.registry.transport_class``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -42,6 +43,12 @@ class Backend(StrEnum):
 # prompt itself. Not a ``Backend``: no ``KVDestination`` may name it, and nothing chooses or opens it.
 LOCAL = "local"
 
+
+
+def nixl_installed() -> bool:
+    """Whether NIXL is installed here, found without importing it or torch (importing and starting it costs
+    seconds): what a worker offers in its registration, and what ``--kv-transport nixl`` needs."""
+    return any(importlib.util.find_spec(name) is not None for name in ("nixl_cu12", "nixl"))
 
 @dataclass(frozen=True)
 class Endpoint:

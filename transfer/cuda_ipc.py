@@ -12,7 +12,7 @@ import torch
 from kvstore.kv_cache import KVCache, KVCacheSpec
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from transfer.backend import Backend
-from transfer.transport import InPlaceTransport, Origin
+from transfer.interface import InPlaceTransport, Origin
 
 
 def export_cuda_ipc(cache: KVCache) -> bytes:

@@ -19,11 +19,11 @@ import xxhash
 from kvstore.kv_cache import KVCache
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from rpc.auth import CALLER_METADATA
-from rpc.identity import Identity
+from security.auth import CALLER_METADATA
+from security.identity import Identity
 from transfer.backend import Backend
 from transfer.blocks import checksum, chunked, read_blocks, write_blocks
-from transfer.transport import KVTransport, Origin, TransferFailed
+from transfer.interface import KVTransport, Origin, TransferFailed
 
 PUSH_TIMEOUT_S = 30.0
 

@@ -19,7 +19,8 @@ add a second lease in the other direction.
   (``NixlPool.arrived``; ``decode_service.remote_prefill``), then verifies its own copy against it.
 
 NIXL/UCX authenticates nothing on the data path: this is for a trusted cluster fabric (README, trust model).
-Without NIXL installed the module still imports: ``installed()`` is False, and ``open`` refuses.
+Without NIXL installed the module still imports (``transfer.backend.nixl_installed()`` is False), and ``open``
+refuses.
 
 Starting an agent costs about 2 s of CPU (UCX), so a worker starts its own only when it first needs it: the
 prefill worker on its first ``nixl`` destination, the decode worker when it first chooses ``nixl`` for a peer
@@ -46,7 +47,7 @@ from kvstore.kv_cache import KVCache, KVCacheSpec
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from transfer.backend import Backend
 from transfer.blocks import checksum_blocks
-from transfer.transport import KVTransport, Origin, TransferFailed
+from transfer.interface import KVTransport, Origin, TransferFailed
 
 WRITE_TIMEOUT_S = 30.0  # a write's limit when the caller names no deadline
 _POLL_S = 0.0002
@@ -62,12 +63,6 @@ def _nixl() -> ModuleType | None:
         except ImportError:
             continue
     return None
-
-
-def installed() -> bool:
-    """Whether NIXL is installed here, without importing it (importing and starting it costs seconds):
-    what a worker offers in its registration."""
-    return any(importlib.util.find_spec(name) is not None for name in ("nixl_cu12", "nixl"))
 
 
 def _agent(worker_id: str):  # noqa: ANN202 - nixl_agent, whose module may be absent

@@ -11,10 +11,14 @@
 * ``ring``: StreamingLLM's ring buffer: memory and speed over a long generation, and perplexity against the
   full cache and a window without sinks;
 * ``load``: an open-loop load test of a running cluster through its public API (``kvserve.bench.loadgen``
-  is its engine, which ``scripts/reliability.py`` drives too).
+  is its engine, which ``scripts/reliability.py`` drives too);
+* ``kernels``: the Triton kernels against PyTorch's SDPA on a CUDA GPU, and the decode tile-config sweep
+  (``kernel_sweep``, on ``kernel_inputs``).
+
+``python -m kvserve.bench.kernel_compile`` compiles every kernel variant for a GPU on a machine without one.
 
 ``kvserve.bench.report`` holds what they share for timing and reporting.
 """
 
 # module: the name with "_" for "-"
-BENCHES = ("offline", "serve", "transfer", "cuda_ipc", "kv-curve", "tiers", "ring", "load")
+BENCHES = ("offline", "serve", "transfer", "cuda_ipc", "kv-curve", "tiers", "ring", "load", "kernels")

@@ -15,7 +15,7 @@ the prefill worker reports (the prefill, during which its layers store the KV st
 worker's pool with ``shm``/``cuda_ipc``, and the hand-off's cost after it), and on a GPU the cuda_ipc
 stores alone, from another process, with this model's KV shape (``kvserve.bench.cuda_ipc``).
 
-``--netns`` (CPU): the cluster runs over three test hosts instead (``kvserve.multihost``: Redis and the router,
+``--netns`` (CPU): the cluster runs over three test hosts instead (``kvserve.testing.multihost``: Redis and the router,
 the prefill worker, the decode worker, each in a network namespace with its own /dev/shm), so the KV crosses
 a real network link over nixl or grpc (auto: nixl when NIXL is installed); the offline engine stays here.
 """
@@ -30,9 +30,9 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve import netns
 from kvserve.bench.offline import make_prompts
 from kvserve.bench.report import median, table
+from kvserve.testing import netns
 from rpc.threads import host_cores
 
 
@@ -87,7 +87,7 @@ def _time_served(client, prompt: list[int], max_tokens: int) -> Sample:
 def _run(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[Sample], list[Sample]]:
     """Each prompt offline, then through the cluster, alternating, so both see the same machine."""
     from kvserve.client import Client
-    from kvserve.cluster import free_base_port, start_cluster
+    from kvserve.launcher.cluster import free_base_port, start_cluster
 
     engine_argv = ["--model", args.model, "--device", args.device, "--skip-tokenizer-init", "true"]
     if args.device == "cpu":
@@ -95,7 +95,7 @@ def _run(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[Sampl
     decode_argv = [] if args.backend == "auto" else ["--kv-transport", args.backend]
     with ExitStack() as stack:
         if args.netns:
-            from kvserve.multihost import multihost_cluster
+            from kvserve.testing.multihost import multihost_cluster
 
             logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvserve-bench-")))
             endpoint = stack.enter_context(multihost_cluster(engine_argv, logs, decode_argv,
@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.netns and (reason := netns.unavailable()):
         parser.error(f"--netns: {reason}")
     if args.netns and args.backend == "auto":  # forced: a lazily started agent would leave the first ones to grpc
-        from transfer import nixl
+        from transfer.backend import nixl_installed
 
-        args.backend = "nixl" if nixl.installed() else "grpc"
+        args.backend = "nixl" if nixl_installed() else "grpc"
 
     from engine.bundled import resolve_model
     from engine.config import ModelConfig

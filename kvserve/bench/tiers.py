@@ -158,7 +158,7 @@ def bandwidth(model: str, device: str, batches: list[int], repeats: int = 5) -> 
     from engine.bundled import resolve_model
     from engine.config import ModelConfig
     from kvstore import KVCache, KVCacheSpec
-    from kvstore.tiers import BlockCopier, HostTier
+    from kvstore.host_tier import BlockCopier, HostTier
 
     dev = torch.device(device)
     config = ModelConfig.from_dir(resolve_model(model))

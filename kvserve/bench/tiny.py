@@ -2,7 +2,7 @@
 
     kvserve bench offline --tiny [--batch-sizes 1,64,256] [--tiny-prompt-len 16 --tiny-steps 48 --tiny-rounds 5]
 
-The model is ``engine.random_model``'s ``qwen2-tiny`` (2 layers, width 64, fp32): its arithmetic takes well
+The model is ``kvserve.testing.random_model``'s ``qwen2-tiny`` (2 layers, width 64, fp32): its arithmetic takes well
 under a millisecond at batch 64, so what a step costs beyond that is Python per sequence (scheduling, block
 bookkeeping, staging inputs, outputs), the cost that caps a GPU's throughput when its step takes a few ms.
 
@@ -38,7 +38,7 @@ CLOCK = time.perf_counter
 
 
 def write_tiny_model(out_dir: str | Path) -> Path:
-    from engine.random_model import write_random_model
+    from kvserve.testing.random_model import write_random_model
 
     return write_random_model(out_dir, TINY_PRESET, dtype=torch.float32)
 

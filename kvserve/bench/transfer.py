@@ -55,12 +55,12 @@ def _shm(source, spec, num_blocks, blocks, repeats: int) -> list[float]:
 
 
 def _grpc(source, dest, fp: str, blocks, repeats: int) -> list[float]:
-    from rpc.auth import Security
     from rpc.loop import AsyncioThread
     from rpc.server import add_service, new_server, start_server
+    from security.auth import Security
     from transfer.blocks import checksum_blocks
     from transfer.grpc_stream import GrpcTransport, KVReceiver
-    from transfer.transport import Origin
+    from transfer.interface import Origin
 
     receiver = KVReceiver(dest, fp, lease_holder=lambda request_id: (blocks, "bench"))  # every block leased
     security = Security(token="bench")  # the interceptor's token check is part of every real hand-off
@@ -91,10 +91,10 @@ def _grpc(source, dest, fp: str, blocks, repeats: int) -> list[float]:
 
 def _nixl(source, dest, fp: str, blocks, repeats: int) -> list[float]:
     from protos.kvserve.v1 import kvserve_pb2 as pb
-    from rpc.auth import Security
+    from security.auth import Security
     from transfer import nixl
     from transfer.blocks import checksum_blocks
-    from transfer.transport import Origin
+    from transfer.interface import Origin
 
     pool = nixl.NixlPool(dest, "bench-decode")  # the agents start before the clock does, as in a worker
     lease = pb.KVDestination(worker_id="bench-decode", backend="nixl", block_ids=blocks, num_blocks=dest.num_blocks,
@@ -118,7 +118,7 @@ def _nixl(source, dest, fp: str, blocks, repeats: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from transfer import nixl
+    from transfer.backend import nixl_installed
 
     parser = argparse.ArgumentParser(prog="kvserve bench transfer", description=__doc__.split("\n")[0])
     parser.add_argument("--transport", action="append", choices=TRANSPORTS,
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--netns", action="store_true",
                         help="each end on a test host of its own (network namespaces: root, `ip`)")  # fmt: skip
     args = parser.parse_args(argv)
-    here = {"shm": args.device == "cpu" and not args.netns, "grpc": True, "nixl": nixl.installed(),
+    here = {"shm": args.device == "cpu" and not args.netns, "grpc": True, "nixl": nixl_installed(),
             "tcp": args.netns and args.device == "cpu"}  # fmt: skip
     available = [t for t in TRANSPORTS if here[t]]
     chosen = args.transport or available

@@ -1,4 +1,4 @@
-"""``kvserve bench transfer --netns``: the hand-off with its two ends on two test hosts (``kvserve.netns``).
+"""``kvserve bench transfer --netns``: the hand-off with its two ends on two test hosts (``kvserve.testing.netns``).
 
 Each end is a process of its own on a host of its own (a network namespace with a /dev/shm of its own), so
 the KV crosses a veth pair, a bridge and another veth pair, as between machines, and shm is impossible:
@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvserve import netns
+from kvserve.testing import netns
 
 SECURITY_TOKEN = "bench"  # what both ends' gRPC interceptors check: this run's processes only
 RECEIVER_PORT = 50100
@@ -55,9 +55,9 @@ def _say(message: dict) -> None:
 def decode_end(model: str, tokens: int, device: str, address: str, transports: list[str]) -> None:
     from engine import LLMEngine
     from kvstore.layout import fingerprint
-    from rpc.auth import Security
     from rpc.loop import AsyncioThread
     from rpc.server import add_service, new_server, start_server
+    from security.auth import Security
     from transfer.blocks import checksum_blocks
     from transfer.grpc_stream import KVReceiver
 
@@ -131,11 +131,11 @@ def prefill_end(device: str, transports: list[str]) -> None:
 
     from kvstore import KVCache, KVCacheSpec
     from protos.kvserve.v1 import kvserve_pb2 as pb
-    from rpc.auth import Security
     from rpc.loop import AsyncioThread
+    from security.auth import Security
     from transfer.blocks import checksum_blocks
     from transfer.grpc_stream import GrpcTransport
-    from transfer.transport import Origin
+    from transfer.interface import Origin
 
     ready = json.loads(sys.stdin.readline())
     s = ready["spec"]

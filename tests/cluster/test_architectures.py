@@ -252,7 +252,7 @@ def test_greedy_through_a_1p1d_cluster(family, tmp_path):
     from cluster_utils import discard
 
     from kvserve.client import Client
-    from kvserve.cluster import free_base_port, start_cluster
+    from kvserve.launcher.cluster import free_base_port, start_cluster
 
     _, path, model = family
     prompt = _prompt(41, 6)

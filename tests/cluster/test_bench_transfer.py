@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from kvserve import netns
-from transfer import nixl
+from kvserve.testing import netns
+from transfer.backend import nixl_installed
 
 
 def _bench(*args: str) -> str:
@@ -29,7 +29,7 @@ def _rows(out: str) -> dict[str, tuple[float, float]]:
 
 def test_in_one_process_every_transport_here_moves_the_blocks():
     out = _bench()
-    expected = {"shm", "grpc", *(["nixl"] if nixl.installed() else [])}
+    expected = {"shm", "grpc", *(["nixl"] if nixl_installed() else [])}
     rows = _rows(out)
     assert set(rows) == expected and all(ms > 0 and gbs > 0 for ms, gbs in rows.values()), out
     assert "64 tokens of LlamaForCausalLM KV on cpu: 2.8 MiB" in out
@@ -42,7 +42,7 @@ def test_across_two_hosts_grpc_and_nixl_cross_the_link_and_shm_cannot():
     if reason := netns.unavailable():
         pytest.skip(reason)
     out = _bench("--netns")  # grpc, nixl where installed, and a plain TCP copy as the link's reference
-    transports = ["grpc", *(["nixl"] if nixl.installed() else []), "tcp"]
+    transports = ["grpc", *(["nixl"] if nixl_installed() else []), "tcp"]
     assert set(_rows(out)) == set(transports), out
     assert re.search(r"^grpc moves at \d+% of a plain TCP copy's speed over this link$", out, re.M), out
     assert "two network namespaces on a bridge, each with a /dev/shm of its own" in out

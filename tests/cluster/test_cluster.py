@@ -17,8 +17,8 @@ from cluster_state.registry import Registry
 from decode_service.prefill_client import REFRESH_S
 from engine import SamplingParams
 from kvserve.client import Client, build_request
-from rpc.auth import Security
-from rpc.identity import Identity
+from security.auth import Security
+from security.identity import Identity
 
 GREEDY = {"temperature": 0, "max_tokens": 32, "ignore_eos": True}
 # the module's decode worker speculates, so every answer here also checks that speculation changes no token

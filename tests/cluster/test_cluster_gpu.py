@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import kv_cache_budget
-from kvserve.cluster import gpu_memory_shares
+from kvserve.launcher.cluster import gpu_memory_shares
 
 GIB = 1 << 30
 
@@ -64,9 +64,9 @@ def test_1p1d_on_one_gpu_hands_off_by_cuda_ipc_with_the_offline_engines_tokens(t
     from cluster_utils import free_base_port
 
     from engine import LLM, SamplingParams
-    from engine.random_model import write_random_model
     from kvserve.client import Client
-    from kvserve.cluster import start_cluster
+    from kvserve.launcher.cluster import start_cluster
+    from kvserve.testing.random_model import write_random_model
 
     model = write_random_model(tmp_path / "qwen2", "qwen2-0.5b", num_layers=4, device="cuda")
     rng = random.Random(0)

@@ -29,8 +29,8 @@ from waiting import wait_until
 
 from cluster_state.registry import Registry
 from kvserve.client import Client
-from kvserve.cluster import Cluster, cluster_shm_dir
-from kvserve.supervisor import RestartPolicy, State
+from kvserve.launcher.cluster import Cluster, cluster_shm_dir
+from kvserve.launcher.supervisor import RestartPolicy, State
 from kvstore.shared_pool import pool_file_name
 
 POLICY = RestartPolicy(initial_delay_s=0.2, startup_timeout_s=120.0)

@@ -24,9 +24,9 @@ from service_utils import TEST_SECURITY
 from waiting import wait_until
 
 from kvserve.client import Client
-from rpc.auth import TOKEN_ENV
 from rpc.requests import API_KEY_ENV
 from rpc.server import wait_healthy
+from security.auth import TOKEN_ENV
 
 KEY = "front-door-test-key"
 MAX_CONCURRENT = 2

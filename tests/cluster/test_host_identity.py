@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cluster_state.workers import WorkerInfo, local_host_id
-from kvserve import netns
+from kvserve.testing import netns
 from kvstore.shared_pool import SHM_DIR_ENV
 
 SHM = Path("/dev/shm")

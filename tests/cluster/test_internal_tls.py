@@ -24,17 +24,17 @@ from service_utils import InProcessServer
 
 from cluster_state import lease
 from engine import LLMEngine
-from kvserve.certs import make_cluster_dir
 from kvserve.cli import main as kvserve_main
 from kvserve.client import Client
-from kvserve.scratch import cluster_shm_dir
+from kvserve.launcher.scratch import cluster_shm_dir
 from prefill_service.worker import PrefillWorker
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from rpc.auth import Security
-from rpc.identity import Identity, read_member_dir
-from rpc.keys import Keyring
 from rpc.server import wait_healthy
+from security.auth import Security
+from security.certs import make_cluster_dir
+from security.identity import Identity, read_member_dir
+from security.keys import Keyring
 
 NUM_BLOCKS = 32
 NOWHERE = "127.0.0.1:1"  # the destination's PushKV address: refused at once

@@ -1,6 +1,6 @@
 """A cluster over three hosts: Redis and the router on one, a prefill worker on another, a decode worker on a third.
 
-The hosts are network namespaces with a /dev/shm each (kvserve/netns.py), so shared memory between the workers
+The hosts are network namespaces with a /dev/shm each (kvserve/testing/netns.py), so shared memory between the workers
 is impossible, as between machines: KV crosses over a real network link, through the transport the test
 names, and each worker registers the address it can be reached at (``--advertise``). Every process is the
 real entry point (``python -m router``, ``prefill_service``, ``decode_service``, the embedded Redis's server
@@ -26,10 +26,10 @@ from cluster_utils import tiny_engine_argv
 from waiting import wait_until
 
 from engine import LLM, SamplingParams
-from kvserve import netns
 from kvserve.client import Client
-from kvserve.multihost import multihost_cluster
-from transfer import nixl
+from kvserve.testing import netns
+from kvserve.testing.multihost import multihost_cluster
+from transfer.backend import nixl_installed
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # test helpers, run as scripts here
 PREFILL_TIMEOUT_S = 10.0  # the decode worker's deadline for a prefill: the most a silent dead prefill host costs
@@ -50,7 +50,7 @@ def multihost(request, tmp_path_factory, tiny_model_dir):
     # grpc: neither worker has NIXL and nothing is forced (across hosts that chooses grpc); nixl: forced
     if reason := netns.unavailable():
         pytest.skip(reason)
-    if request.param == "nixl" and not nixl.installed():
+    if request.param == "nixl" and not nixl_installed():
         pytest.skip("NIXL is not installed here: pip install '.[nixl]' (make test does)")
     logs = tmp_path_factory.mktemp(f"multihost-{request.param}")
     forced = ["--kv-transport", "nixl"] if request.param == "nixl" else []

@@ -16,12 +16,12 @@ from cluster_utils import cluster, supervised
 from waiting import wait_until
 
 from kvserve.client import Client
-from kvserve.supervisor import RestartPolicy
+from kvserve.launcher.supervisor import RestartPolicy
 from kvstore import KVCacheSpec
 from kvstore.shared_pool import pool_file_name
 from prefill_service.destinations import Destinations
 from protos.kvserve.v1 import kvserve_pb2 as pb
-from rpc.auth import Security
+from security.auth import Security
 from transfer.backend import Backend
 
 POLICY = RestartPolicy(initial_delay_s=0.2, startup_timeout_s=120.0)

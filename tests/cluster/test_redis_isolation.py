@@ -26,8 +26,8 @@ from cluster_utils import discard, tiny_engine_argv
 from redis_probe import NOBODY, listening, probe, probe_as
 
 from kvserve.client import Client
-from kvserve.cluster import Cluster, free_base_port, start_cluster
-from kvserve.redis_server import EmbeddedRedis
+from kvserve.launcher.cluster import Cluster, free_base_port, start_cluster
+from kvserve.launcher.redis_server import EmbeddedRedis
 
 pytestmark = pytest.mark.slow
 

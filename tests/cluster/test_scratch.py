@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from waiting import wait_until
 
-from kvserve.cluster import free_base_port
-from kvserve.redis_server import EmbeddedRedis
-from kvserve.scratch import (
+from kvserve.launcher.cluster import free_base_port
+from kvserve.launcher.redis_server import EmbeddedRedis
+from kvserve.launcher.scratch import (
     REDIS_DIR_PREFIX,
     cluster_shm_dir,
     hold_dir,
@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 # file in it, and an embedded Redis.
 LAUNCHER = """
 import os, sys, time
-from kvserve.redis_server import EmbeddedRedis
-from kvserve.scratch import cluster_shm_dir, hold_dir
+from kvserve.launcher.redis_server import EmbeddedRedis
+from kvserve.launcher.scratch import cluster_shm_dir, hold_dir
 from kvstore.shared_pool import pool_file_name
 
 pools = hold_dir(cluster_shm_dir(int(sys.argv[1])))

@@ -1,4 +1,4 @@
-"""``kvserve.supervisor`` over real processes (no model, no cluster): restarts with backoff, giving up on what
+"""``kvserve.launcher.supervisor`` over real processes (no model, no cluster): restarts with backoff, giving up on what
 keeps crashing (and failing the cluster only when its minimum is gone), removing a dead decode worker's pool
 file, and counting a child as serving only when the child itself answers: a real process that holds the
 child's port and answers every gRPC health check with SERVING never passes for it (real gRPC on loopback)."""
@@ -17,15 +17,15 @@ import pytest
 from cluster_utils import supervising
 from waiting import wait_until
 
-from kvserve.processes import Child
-from kvserve.supervisor import ClusterFailed, RestartPolicy, State, Supervisor
+from kvserve.launcher.processes import Child
+from kvserve.launcher.supervisor import ClusterFailed, RestartPolicy, State, Supervisor
 from kvstore.shared_pool import SHM_DIR_ENV, pool_file_name
-from rpc.auth import Security
+from security.auth import Security
 
 # The child: a gRPC server set up exactly as every kvserve process sets up its own (rpc.server).
 CHILD = """
 import asyncio, sys
-from rpc.auth import Security
+from security.auth import Security
 from rpc.server import new_server, start_server
 
 async def main():

@@ -41,7 +41,7 @@ def test_second_process_writes_into_exported_pool():
     from kvstore import KVCacheSpec
     from protos.kvserve.v1 import kvserve_pb2 as pb
     from transfer.cuda_ipc import CudaIpcTransport
-    from transfer.transport import Origin
+    from transfer.interface import Origin
 
     owner = subprocess.Popen([sys.executable, "-c", OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -14,11 +14,12 @@ import torch
 
 from kvstore.kv_cache import KVCache, KVCacheSpec
 from transfer import nixl
+from transfer.backend import nixl_installed
 from transfer.blocks import _regions
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # test helpers, run as scripts here
 ROOT = Path(__file__).resolve().parents[2]
-needs_nixl = pytest.mark.skipif(not nixl.installed(), reason="NIXL is not installed (pip install 'kvserve[nixl]')")
+needs_nixl = pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install 'kvserve[nixl]')")
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
@@ -53,8 +54,8 @@ def test_without_nixl_forcing_it_is_refused_before_anything_starts(command):
     flag and the fix, exit status 2; the multi-host grpc cluster runs whole without NIXL
     (``test_multihost.py``)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SUPPORT / "without_nixl"), str(ROOT)]))
-    probe = subprocess.run([sys.executable, "-c", "from transfer import nixl; print(nixl.installed())"],
-                           capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    code = "from transfer.backend import nixl_installed; print(nixl_installed())"
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert probe.stdout.strip() == "False", probe.stderr
     run = subprocess.run([sys.executable, *command, "--kv-transport", "nixl"], capture_output=True, text=True,
                          timeout=120, env=env)  # fmt: skip

@@ -16,10 +16,10 @@ from cluster_utils import free_base_port
 
 from engine import EngineConfig
 from kvserve.client import Client
-from kvserve.scratch import cluster_shm_dir
-from rpc.auth import TOKEN_ENV, TOKEN_FILE_ENV
+from kvserve.launcher.scratch import cluster_shm_dir
 from rpc.options import REDIS_URL_ENV
 from rpc.settings import settings_from_argv
+from security.auth import TOKEN_ENV, TOKEN_FILE_ENV
 
 
 def _processes_mentioning(text: str) -> list[str]:

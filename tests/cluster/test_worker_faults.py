@@ -23,9 +23,9 @@ from engine import LLMEngine
 from prefill_service.worker import PrefillWorker
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from rpc.auth import TOKEN_ENV
 from rpc.loop import AsyncioThread
 from rpc.server import wait_healthy
+from security.auth import TOKEN_ENV
 
 
 def _fail_next_step(engine: LLMEngine) -> threading.Event:

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from rpc.auth import TOKEN_ENV, TOKEN_FILE_ENV, TOKEN_METADATA, Security, load_token
+from security.auth import TOKEN_ENV, TOKEN_FILE_ENV, TOKEN_METADATA, Security, load_token
 
 ROOT = Path(__file__).resolve().parents[2]
 KVSERVE_SERVICES = ("router", "decode", "prefill")

@@ -20,10 +20,10 @@ import yaml
 from decode_service.settings import DecodeSettings
 from prefill_service.settings import PrefillSettings
 from router.settings import RouterSettings
-from rpc.auth import TOKEN_ENV
-from rpc.keys import CALLERS, ROLE_KEYS
 from rpc.settings import env_name, settings_parser, validate_settings
 from rpc.worker_options import WORKER_SET_FIELDS
+from security.auth import TOKEN_ENV
+from security.keys import CALLERS, ROLE_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

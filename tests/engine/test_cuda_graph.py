@@ -90,7 +90,7 @@ def test_padded_decode_equals_eager_under_preemption(engine_prompts):
 
 @pytest.fixture(scope="module")
 def qwen2_cuda_dir(tmp_path_factory):
-    from engine.random_model import write_random_model
+    from kvserve.testing.random_model import write_random_model
 
     return write_random_model(tmp_path_factory.mktemp("qwen2-graphs"), "qwen2-0.5b", num_layers=4,
                               dtype=torch.float32, device="cuda")  # fmt: skip

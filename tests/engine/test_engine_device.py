@@ -47,7 +47,7 @@ VOCAB_SIZE = {"cpu": 8192, "cuda": 151936}
 
 @pytest.fixture(scope="module")
 def model_dir(device, tmp_path_factory):
-    from engine.random_model import write_random_model
+    from kvserve.testing.random_model import write_random_model
 
     cpu = device == "cpu"
     return write_random_model(tmp_path_factory.mktemp(f"qwen2-{device}"), "qwen2-0.5b", num_layers=2 if cpu else 4,

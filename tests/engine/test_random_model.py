@@ -50,7 +50,7 @@ def test_skip_tokenizer_init_gives_the_same_tokens(llm, engine_prompts):
 
 
 def test_unknown_shape_is_refused(tmp_path):
-    from engine.random_model import write_random_model
+    from kvserve.testing.random_model import write_random_model
 
     with pytest.raises(ValueError, match="unknown model shape 'gpt-9'"):
         write_random_model(tmp_path, "gpt-9")

@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
-from engine.random_model import write_random_model
+from kvserve.testing.random_model import write_random_model
 from kvstore.ring import RingSpec
 
 BLOCK = 4

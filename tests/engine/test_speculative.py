@@ -259,7 +259,7 @@ def random_draft(tmp_path_factory, model_dir):
     are nearly always wrong."""
     import shutil
 
-    from engine.random_model import write_random_model
+    from kvserve.testing.random_model import write_random_model
 
     path = write_random_model(tmp_path_factory.mktemp("draft"), "qwen2-tiny", dtype=torch.float32,
                               overrides={"vocab_size": 49152})  # fmt: skip
@@ -308,7 +308,7 @@ def test_a_draft_model_changes_no_token_and_its_acceptance_follows_its_quality(e
 
 
 def test_a_draft_with_another_vocabulary_is_refused_naming_the_field(tmp_path):
-    from engine.random_model import write_random_model
+    from kvserve.testing.random_model import write_random_model
 
     other = write_random_model(tmp_path, "qwen2-tiny", dtype=torch.float32)  # 1,024 tokens
     with pytest.raises(ValueError, match="speculative_config.model: the draft's vocabulary has 1024 tokens"):

@@ -29,7 +29,7 @@ def streaming(window: int, sinks: int, max_tokens: int = NUM_NEW_TOKENS) -> Samp
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """Qwen2's layout (q/k/v biases), 2 layers, a 64-position context."""
-    from engine.random_model import write_random_model
+    from kvserve.testing.random_model import write_random_model
 
     return write_random_model(tmp_path_factory.mktemp("tiny"), "qwen2-tiny", dtype=torch.float32,
                               overrides=TINY_CONFIG)  # fmt: skip
@@ -97,7 +97,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_that_fit_the_ring(tmp_path):
     ring holds at once (``RingSpec.max_chunk``: 8 tokens there). Six layers carry a wrong key to the answer."""
     from transformers import AutoModelForCausalLM
 
-    from engine.random_model import write_random_model
+    from kvserve.testing.random_model import write_random_model
 
     path = write_random_model(tmp_path, "qwen2-tiny", num_layers=6, dtype=torch.float32, overrides=TINY_CONFIG)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

@@ -15,8 +15,8 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.tier_connector import TierConnector, auto_host_bytes
 from kvstore import BlockManager, KVCache, KVCacheSpec
+from kvstore.host_tier import BlockCopier, HostTier
 from kvstore.prefix_hash import block_hashes
-from kvstore.tiers import BlockCopier, HostTier
 
 # -- rows: one block's bytes, every layer ------------------------------------------------------------------
 
@@ -264,7 +264,7 @@ def test_on_a_gpu_blocks_cross_the_copy_stream_byte_exact_behind_the_compute_str
 def test_on_a_gpu_host_tier_hits_and_swaps_give_the_tokens_of_a_pool_that_holds_everything(tmp_path):
     import random
 
-    from engine.random_model import write_random_model
+    from kvserve.testing.random_model import write_random_model
 
     model = write_random_model(tmp_path / "qwen2", "qwen2-0.5b", num_layers=4, device="cuda")
     rng = random.Random(0)

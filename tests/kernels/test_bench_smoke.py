@@ -1,4 +1,4 @@
-"""``kernels.bench`` end to end on tiny shapes, so the one-shot GPU run cannot fail on host-side code.
+"""``kvserve.bench.kernels`` end to end on tiny shapes, so the one-shot GPU run cannot fail on host-side code.
 
 On the CPU the kernels are interpreted, the timers are replaced by one call, and
 the memory check always passes, and fp16 stands in for bf16; the printed table's
@@ -9,7 +9,8 @@ import pytest
 import torch
 from paged_kv_testing import DEVICE, HAS_CUDA, interpreted_triton, triton_ops  # noqa: F401
 
-from kernels import bench, bench_inputs, bench_sweep
+from kvserve.bench import kernel_inputs, kernel_sweep
+from kvserve.bench import kernels as bench
 
 LAYOUT = (4, 2, 64)  # query heads, kv heads, head_dim
 
@@ -19,12 +20,12 @@ def tiny_bench(monkeypatch):
     if not HAS_CUDA:
         triton_ops()  # make sure the kernel modules are the interpreted ones
         monkeypatch.setattr(bench, "_bench", lambda fn: (fn(), 1.0)[1])
-        monkeypatch.setattr(bench_sweep, "_bench_graph", lambda fn: (fn(), 1.0)[1])
+        monkeypatch.setattr(kernel_sweep, "_bench_graph", lambda fn: (fn(), 1.0)[1])
         monkeypatch.setattr(bench, "_fits", lambda num_bytes: True)
-        monkeypatch.setattr(bench_inputs, "DTYPE", torch.float16)
-    monkeypatch.setattr(bench_inputs, "DEVICE", str(DEVICE))
+        monkeypatch.setattr(kernel_inputs, "DTYPE", torch.float16)
+    monkeypatch.setattr(kernel_inputs, "DEVICE", str(DEVICE))
     # The shipped d64 configs, bf16 (128, 4, 3) and INT8 (64, 4, 3), and one more: 3 configs, not 12.
-    monkeypatch.setattr(bench_sweep, "SWEEP_GRID", ((32, 4, 2), (64, 4, 3), (128, 4, 3)))
+    monkeypatch.setattr(kernel_sweep, "SWEEP_GRID", ((32, 4, 2), (64, 4, 3), (128, 4, 3)))
 
 
 def test_every_bench_section_runs(tiny_bench, capsys):
@@ -38,9 +39,9 @@ def test_every_bench_section_runs(tiny_bench, capsys):
 
 
 def test_sweep_of_each_cache_prints_ratios_and_table_entries(tiny_bench, capsys):
-    results = [bench_sweep.bench_sweep(kv_dtype, 2, 48, *LAYOUT) for kv_dtype in ("auto", "int8_v", "int8")]
-    bench_sweep.print_int8_ratios(results)
-    bench_sweep.print_table_entries(results, "Some GPU")
+    results = [kernel_sweep.bench_sweep(kv_dtype, 2, 48, *LAYOUT) for kv_dtype in ("auto", "int8_v", "int8")]
+    kernel_sweep.print_int8_ratios(results)
+    kernel_sweep.print_table_entries(results, "Some GPU")
     printed = capsys.readouterr().out
     assert printed.count("shipped config at the heuristic's splits:") == 3
     assert "int8_v vs bf16, batch 2, ctx 48" in printed and "(target 1.4x)" in printed
@@ -49,7 +50,7 @@ def test_sweep_of_each_cache_prints_ratios_and_table_entries(tiny_bench, capsys)
     end = lines.index("    },", start)
     entries = eval("{" + "\n".join(lines[start + 1 : end]) + "}")  # the printed entries are valid Python
     assert set(entries) == {(64, "auto"), (64, "int8_v"), (64, "int8")}
-    assert all(config in bench_sweep.SWEEP_GRID for config in entries.values())
+    assert all(config in kernel_sweep.SWEEP_GRID for config in entries.values())
 
 
 def test_measured_configs_apply_to_their_gpu_only(monkeypatch):
@@ -65,8 +66,9 @@ def test_measured_configs_apply_to_their_gpu_only(monkeypatch):
 
 
 def test_sweep_only_command_line(tiny_bench, monkeypatch, capsys):
-    """``python -m kernels.bench --sweep-only``, the GPU check's command, with a tiny shape per cache."""
-    monkeypatch.setattr(bench_sweep, "SWEEP_SHAPES", tuple((kv_dtype, 2, 48, *LAYOUT) for kv_dtype in ("auto", "int8")))
+    """``python -m kvserve.bench.kernels --sweep-only``, the GPU check's command, with a tiny shape per cache."""
+    shapes = tuple((kv_dtype, 2, 48, *LAYOUT) for kv_dtype in ("auto", "int8"))
+    monkeypatch.setattr(kernel_sweep, "SWEEP_SHAPES", shapes)
     if not HAS_CUDA:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: "Some GPU")

@@ -176,8 +176,8 @@ def test_decode_step_launches_at_most_12_kernels_per_layer(tmp_path):
     GEMM, SiLU-and-mul, down_proj: 10 or 11.
     """
     from engine import LLM
-    from engine.random_model import write_random_model
     from kvserve.bench.profile import profile_decode_steps
+    from kvserve.testing.random_model import write_random_model
 
     model_dir = write_random_model(tmp_path, "qwen2-0.5b", num_layers=4, dtype=torch.bfloat16, device="cuda")
     llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", skip_tokenizer_init=True, block_size=16,

@@ -20,7 +20,7 @@ def test_all_variants_compile_without_spills(arch):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO_ROOT)
     result = subprocess.run(
-        [sys.executable, "-m", "kernels.compile_check", "--arch", str(arch)],
+        [sys.executable, "-m", "kvserve.bench.kernel_compile", "--arch", str(arch)],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

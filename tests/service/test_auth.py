@@ -21,13 +21,13 @@ from cluster_state import lease
 from cluster_state.registry import Registry
 from decode_service.worker import DecodeWorker
 from engine import LLMEngine
-from kvserve.redis_server import EmbeddedRedis
+from kvserve.launcher.redis_server import EmbeddedRedis
 from kvstore.shared_pool import pool_dir
 from prefill_service.worker import PrefillWorker
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from rpc.auth import Security
 from rpc.loop import AsyncioThread
+from security.auth import Security
 from transfer.blocks import checksum, checksum_blocks
 from transfer.shm import open_shared_pool
 

@@ -14,11 +14,11 @@ from waiting import wait_until
 from cluster_state import lease
 from cluster_state.lease import LeaseRecord, end_signature
 from cluster_state.registry import Registry
-from kvserve.redis_server import EmbeddedRedis
+from kvserve.launcher.redis_server import EmbeddedRedis
 from kvstore.prefix_hash import block_hashes
 from protos.kvserve.v1 import kvserve_pb2 as pb
-from rpc.auth import Security
-from rpc.keys import PURPOSE_KEYS
+from security.auth import Security
+from security.keys import PURPOSE_KEYS
 
 SECURITY = Security(token="lease-test-token")
 TOKENS = list(range(100, 116))

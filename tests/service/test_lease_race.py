@@ -30,7 +30,7 @@ from cluster_state.registry import Registry
 from decode_service.worker import DecodeWorker
 from engine import LLMEngine
 from engine.kv_connector import TRANSFER_EXPIRED
-from kvserve.redis_server import EmbeddedRedis
+from kvserve.launcher.redis_server import EmbeddedRedis
 from kvstore.kv_cache import KVCache
 from prefill_service.handoff import Handoff, HandoffConnector
 from prefill_service.worker import PrefillWorker

@@ -17,7 +17,7 @@ from cluster_state.registry import Registry
 from cluster_state.workers import WorkerInfo
 from decode_service.worker import DecodeWorker
 from engine import LLMEngine
-from kvserve.redis_server import EmbeddedRedis
+from kvserve.launcher.redis_server import EmbeddedRedis
 from kvstore.shared_pool import create_shared_pool
 from prefill_service.worker import PrefillWorker
 from protos.kvserve.v1 import kvserve_pb2 as pb

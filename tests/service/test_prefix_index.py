@@ -12,8 +12,8 @@ from cluster_state.prefix_index import Held
 from cluster_state.publisher import PrefixPublisher
 from cluster_state.registry import Registry
 from cluster_state.workers import WorkerInfo
-from kvserve.redis_server import EmbeddedRedis
-from rpc.auth import Security
+from kvserve.launcher.redis_server import EmbeddedRedis
+from security.auth import Security
 
 SECURITY = Security(token="prefix-index-test")
 

@@ -18,9 +18,9 @@ import redis
 from redis_probe import listening
 from waiting import wait_until
 
-from kvserve.redis_binary import ServerBinary, find_server, server_binary
-from kvserve.redis_server import EmbeddedRedis
-from kvserve.scratch import REDIS_DIR_PREFIX, remove_dead_clusters
+from kvserve.launcher.redis_binary import ServerBinary, find_server, server_binary
+from kvserve.launcher.redis_server import EmbeddedRedis
+from kvserve.launcher.scratch import REDIS_DIR_PREFIX, remove_dead_clusters
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -145,7 +145,7 @@ def test_restart_brings_a_killed_server_back_empty_on_the_same_port_and_password
 
 def test_server_dies_with_a_killed_launcher_and_its_directory_is_then_removed() -> None:
     launcher = subprocess.Popen(
-        [sys.executable, "-c", "import time\nfrom kvserve.redis_server import EmbeddedRedis\n"
+        [sys.executable, "-c", "import time\nfrom kvserve.launcher.redis_server import EmbeddedRedis\n"
          "s = EmbeddedRedis()\nprint(s.pid, s.data_dir, flush=True)\ntime.sleep(60)"],
         cwd=REPO, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -15,8 +15,8 @@ from waiting import wait_until
 
 from cluster_state.registry import Registry
 from cluster_state.workers import WorkerInfo
-from kvserve.redis_server import EmbeddedRedis
-from rpc.auth import Security
+from kvserve.launcher.redis_server import EmbeddedRedis
+from security.auth import Security
 
 SECURITY = Security(token="registry-test-token")
 

@@ -16,7 +16,7 @@ from service_utils import TEST_SECURITY, InProcessServer
 from cluster_state.registry import Registry
 from cluster_state.workers import WorkerInfo
 from kvserve.client import Client, build_request
-from kvserve.redis_server import EmbeddedRedis
+from kvserve.launcher.redis_server import EmbeddedRedis
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from router.health import WorkerHealth
 from rpc.loop import AsyncioThread

@@ -20,8 +20,8 @@ from prefill_service.worker import PrefillWorker
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from transfer.blocks import checksum_blocks, read_blocks
+from transfer.interface import Origin
 from transfer.shm import ShmTransport
-from transfer.transport import Origin
 
 
 def _mapped_file(address: int) -> str | None:

@@ -13,7 +13,7 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from transfer.blocks import block_nbytes, checksum, read_blocks
 from transfer.grpc_stream import GrpcTransport, KVReceiver
-from transfer.transport import Origin, TransferFailed
+from transfer.interface import Origin, TransferFailed
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 LEASED = [2, 3]  # leased to request "r" and prefill worker "prefill-t"

@@ -7,8 +7,8 @@ import logging
 
 from cluster_state.registry import Registry
 from cluster_state.workers import WorkerInfo
-from kvserve.redis_server import EmbeddedRedis
-from rpc.auth import Security
+from kvserve.launcher.redis_server import EmbeddedRedis
+from security.auth import Security
 
 SECURITY = Security(token="load-test-token")
 KEY = "kvserve:worker:d0"

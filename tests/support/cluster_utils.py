@@ -13,8 +13,8 @@ import grpc
 import torch
 
 from kvserve.client import Client
-from kvserve.cluster import Cluster, free_base_port, start_cluster
-from kvserve.supervisor import RestartPolicy, Supervised, Supervisor
+from kvserve.launcher.cluster import Cluster, free_base_port, start_cluster
+from kvserve.launcher.supervisor import RestartPolicy, Supervised, Supervisor
 
 ENGINE_ARGV = ["--model", "default", "--num-blocks", "256", "--block-size", "16"]
 
@@ -83,7 +83,7 @@ def supervising(units: list[Supervised], policy: RestartPolicy) -> Iterator[tupl
     """Supervise ``units`` on a background thread; yields the supervisor and the messages it logs. On exit the
     supervisor stops (the processes it restarted die with its thread), and what it raised is raised here."""
     records = _Records()
-    logger = logging.getLogger("kvserve.supervisor")
+    logger = logging.getLogger("kvserve.launcher.supervisor")
     level = logger.level
     logger.setLevel(logging.INFO)
     logger.addHandler(records)

@@ -12,11 +12,11 @@ import torch
 from cluster_state import lease
 from kvstore.kv_cache import KVCache, KVCacheSpec
 from protos.kvserve.v1 import kvserve_pb2 as pb
-from rpc.auth import Security
+from security.auth import Security
 from transfer import nixl
 from transfer.backend import Backend
 from transfer.blocks import checksum_blocks
-from transfer.transport import Origin, TransferFailed
+from transfer.interface import Origin, TransferFailed
 
 SPEC = KVCacheSpec(2, 2, 16, 4, torch.float32)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from rpc.auth import Security
 from rpc.loop import AsyncioThread
 from rpc.server import add_service, new_server, start_server
+from security.auth import Security
 
 TEST_SECURITY = Security(token="test-cluster-token")
 

@@ -1,9 +1,10 @@
 """How many clusters and worker processes a test run starts (a pytest plugin; tests/conftest.py loads it).
 
-A cluster start is a ``kvserve.cluster.start_cluster`` call, a ``kvserve.multihost`` cluster or a ``kvserve up``
-process a test runs; a worker process is each ``python -m decode_service|prefill_service|router`` this process
-starts (``kvserve up``'s own children are not seen from here). The summary line at the end of the run is what
-the issue's "cluster start-ups per make test" counts; under pytest-xdist the workers' counts are summed."""
+A cluster start is a ``kvserve.launcher.cluster.start_cluster`` call, a ``kvserve.testing.multihost`` cluster or
+a ``kvserve up`` process a test runs; a worker process is each ``python -m decode_service|prefill_service|router``
+this process starts (``kvserve up``'s own children are not seen from here). The summary line at the end of the
+run is what the issue's "cluster start-ups per make test" counts; under pytest-xdist the workers' counts are
+summed."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def _classify(argv) -> str | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    import kvserve.cluster
-    import kvserve.multihost
+    import kvserve.launcher.cluster
+    import kvserve.testing.multihost
 
     original_popen_init = subprocess.Popen.__init__
 
@@ -39,8 +40,8 @@ def pytest_configure(config: pytest.Config) -> None:
         return original_popen_init(self, args, *rest, **kwargs)
 
     subprocess.Popen.__init__ = counting_popen_init
-    for module, name, kind in ((kvserve.cluster, "start_cluster", "cluster:start_cluster"),
-                               (kvserve.multihost, "multihost_cluster", "cluster:multihost")):  # fmt: skip
+    for module, name, kind in ((kvserve.launcher.cluster, "start_cluster", "cluster:start_cluster"),
+                               (kvserve.testing.multihost, "multihost_cluster", "cluster:multihost")):  # fmt: skip
         original = getattr(module, name)
 
         def counted(*args, _original=original, _kind=kind, **kwargs):

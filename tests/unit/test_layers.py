@@ -1,6 +1,6 @@
-"""The packages' layering (``../shared/ARCHITECTURE.md``, Top-level layout): services -> rpc, transfer,
-cluster_state -> engine -> kvstore -> kernels, with ``kvserve`` (what users touch) on top. No module imports
-a package above its own, read from the source's import statements (lazy imports inside functions count)."""
+"""The packages' layering (README, "Where things are"; ``../shared/ARCHITECTURE.md``): each package imports only
+packages on a lower level, read from the source's import statements, lazy imports inside functions and type-only
+imports included; and no two packages import each other, however far round."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ ROOT = Path(__file__).resolve().parents[2]
 LEVELS = {
     "protos": 0,
     "kernels": 0,
+    "security": 0,
     "kvstore": 1,
     "engine": 2,
-    "rpc": 3,
     "transfer": 3,
-    "cluster_state": 3,
-    "prefill_service": 4,
-    "decode_service": 4,
-    "router": 4,
-    "kvserve": 5,
+    "cluster_state": 4,
+    "rpc": 5,
+    "prefill_service": 6,
+    "decode_service": 6,
+    "router": 6,
+    "kvserve": 7,
 }
 
 
@@ -34,14 +35,54 @@ def _imported_packages(path: Path) -> set[str]:
     return names & LEVELS.keys()
 
 
-def test_no_package_imports_one_above_it():
-    upward = []
-    for package, level in LEVELS.items():
+def _package_imports() -> dict[str, dict[str, list[str]]]:
+    """package -> imported package -> the files that import it."""
+    graph: dict[str, dict[str, list[str]]] = {package: {} for package in LEVELS}
+    for package in LEVELS:
         for path in sorted((ROOT / package).rglob("*.py")):
-            for imported in _imported_packages(path):
-                if LEVELS[imported] > level:
-                    upward.append(f"{path.relative_to(ROOT)} imports {imported}")
+            for imported in _imported_packages(path) - {package}:
+                graph[package].setdefault(imported, []).append(str(path.relative_to(ROOT)))
+    return graph
+
+
+def _cycles(graph: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """Every package cycle, each as the packages round it, found by depth-first search."""
+    found, path = [], []
+
+    def visit(package: str) -> None:
+        if package in path:
+            cycle = path[path.index(package) :]
+            if min(cycle) == cycle[0] and [*cycle, package] not in found:  # each once, from its smallest name
+                found.append([*cycle, package])
+            return
+        path.append(package)
+        for imported in sorted(graph[package]):
+            visit(imported)
+        path.pop()
+
+    for package in sorted(graph):
+        visit(package)
+    return found
+
+
+def test_no_package_imports_one_above_it():
+    upward = [f"{file} imports {imported}" for package, imports in _package_imports().items()
+              for imported, files in imports.items() if LEVELS[imported] > LEVELS[package]
+              for file in files]  # fmt: skip
     assert upward == []
+
+
+def test_no_package_cycles():
+    assert _cycles(_package_imports()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle_through_three_packages():
+    graph = {"a": {"b": ["a/x.py"]}, "b": {"c": ["b/y.py"]}, "c": {"a": ["c/z.py"]}, "d": {"a": ["d/w.py"]}}
+    assert _cycles(graph) == [["a", "b", "c", "a"]]
+
+
+def test_security_is_a_leaf_that_imports_only_the_protos():
+    assert set(_package_imports()["security"]) <= {"protos"}
 
 
 def test_the_engine_core_names_no_destination_lease_or_transport():

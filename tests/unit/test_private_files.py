@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.cluster import Cluster
+from kvserve.launcher.cluster import Cluster
 from kvstore import KVCacheSpec
 from kvstore.shared_pool import SHM_DIR_ENV, create_shared_pool, pool_dir
-from rpc.auth import Security, load_token
+from security.auth import Security, load_token
 
 OTHER_UID = 4242
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="making another user's files needs root")

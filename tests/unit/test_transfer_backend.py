@@ -59,7 +59,7 @@ def test_offered_transports_travel_signed_in_the_registration():
     """A worker's ``transports`` is read back as written, cannot be stripped or added unnoticed, and a record
     written before the field existed (signed without it) still reads, offering nothing beyond grpc."""
     from cluster_state.workers import LOAD_FIELDS, WorkerInfo
-    from rpc.auth import Security
+    from security.auth import Security
 
     security, load = Security(token="cluster"), dict.fromkeys(LOAD_FIELDS, 0)
     offering = WorkerInfo("prefill-0", "prefill", "h:1", transports="nixl").to_redis(security)

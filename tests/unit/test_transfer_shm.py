@@ -14,8 +14,8 @@ from kvstore import KVCacheSpec
 from kvstore.shared_pool import SHM_DIR_ENV, create_shared_pool
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from transfer.blocks import checksum_blocks
+from transfer.interface import Origin
 from transfer.shm import ShmTransport, open_shared_pool
-from transfer.transport import Origin
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 ORIGIN = Origin(SPEC, "fp-test", "prefill-t", TEST_SECURITY)

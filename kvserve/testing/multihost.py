@@ -1,4 +1,4 @@
-"""A 1P+1D cluster over three test hosts on one machine (``kvserve.netns``): Redis and the router on one, a
+"""A 1P+1D cluster over three test hosts on one machine (``kvserve.testing.netns``): Redis and the router on one, a
 prefill worker on another, a decode worker on a third. Shared memory between the workers is impossible, as
 between machines, so KV crosses a real network link (veth pairs and a bridge) through ``grpc`` or ``nixl``.
 
@@ -24,12 +24,12 @@ from pathlib import Path
 from cluster_state.registry import Registry
 from engine.bundled import resolve_model
 from engine.config import ModelSettings
-from kvserve import netns
-from kvserve.processes import Child
-from kvserve.redis_binary import find_server, lockdown_config
-from rpc.auth import TOKEN_ENV, Security
+from kvserve.launcher.processes import Child
+from kvserve.launcher.redis_binary import find_server, lockdown_config
+from kvserve.testing import netns
 from rpc.options import REDIS_URL_ENV
 from rpc.settings import fields_of, settings_argv, settings_from_argv
+from security.auth import TOKEN_ENV, Security
 
 ROUTER_PORT, DECODE_PORT, PREFILL_PORT, REDIS_PORT = 50051, 50061, 50071, 6379
 START_TIMEOUT_S = 120.0

@@ -1,4 +1,6 @@
-"""Compile every kernel variant for a GPU architecture on a machine without a GPU: ``python -m kernels.compile_check``.
+"""Compile every kernel variant for a GPU architecture on a machine without a GPU.
+
+``python -m kvserve.bench.kernel_compile [--arch 90] [--jobs N]``.
 
 Runs each host wrapper on empty CPU tensors with the launch intercepted, then
 hands the exact launch (argument types, constexprs, launch options, and the

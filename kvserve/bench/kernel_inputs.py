@@ -1,4 +1,4 @@
-"""What the kernel benchmarks (``kernels.bench``, ``kernels.bench_sweep``) run on: random K/V laid out as the
+"""What the kernel benchmarks (``kvserve.bench.kernels``, ``kernel_sweep``) run on: random K/V laid out as the
 engine's pool, behind a shuffled block table, on ``DEVICE`` in ``DTYPE``."""
 
 from __future__ import annotations

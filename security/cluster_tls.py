@@ -1,6 +1,6 @@
 """The security of a ``kvserve up`` cluster: its CA and certificates, and which flags reach which child.
 
-See ``kvserve.cluster``'s module docstring; ``rpc.auth`` for the trust model.
+See ``kvserve.launcher.cluster``'s module docstring; ``security.auth`` for the trust model.
 """
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from kvserve.certs import ClusterCA, write_member
-from rpc.auth import TOKEN_ENV, Security
-from rpc.identity import Identity
+from security.auth import TOKEN_ENV, Security
+from security.certs import ClusterCA, write_member
+from security.identity import Identity
 
 
 def split_public_tls(security_argv: list[str]) -> tuple[list[str], list[str]]:

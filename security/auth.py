@@ -3,16 +3,16 @@
 Trust model:
 
 * The internal services (``Decode``, ``Prefill``, ``KVTransfer``) serve cluster members only, each the
-  members of one role (``rpc.interceptor``): Decode the router, Prefill decode workers, KVTransfer prefill
+  members of one role (``security.interceptor``): Decode the router, Prefill decode workers, KVTransfer prefill
   workers. Health and reflection stay open, and so does the router's public ``Inference`` service.
 * With cluster certificates (``--cluster-certs DIR``: ``kvserve up`` makes them for its children,
   ``kvserve certs`` for containers), internal gRPC runs over mutual TLS: a server admits only callers with a
   certificate of the cluster CA, whose role it reads from the certificate, and a client verifies that the
-  server's certificate names the member it meant to reach (``rpc.identity``), so a process that binds a
+  server's certificate names the member it meant to reach (``security.identity``), so a process that binds a
   dead worker's port gets no byte of a call. No token goes on the wire then.
 * The keys come from the cluster token: ``KVSERVE_CLUSTER_TOKEN`` or a file (``--cluster-token-file`` /
   ``KVSERVE_CLUSTER_TOKEN_FILE``), never from a command line ``ps`` would show. It is the cluster secret,
-  from which every key derives, or a credential holding one role's keys only (``rpc.keys``: the router's
+  from which every key derives, or a credential holding one role's keys only (``security.keys``: the router's
   cannot sign a lease). Without certificates, a caller sends its role's call token instead (token-only
   mode). Without a token a process refuses to start unless ``--insecure-internal`` says so explicitly
   (and then it logs a warning).
@@ -30,16 +30,13 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
-from rpc.identity import Identity, read_member_dir
-from rpc.interceptor import CALLER_METADATA, ROLE_METADATA, TOKEN_METADATA, CallerInterceptor
-from rpc.keys import MEMBER, Keyring
-
-if TYPE_CHECKING:
-    from rpc.options import SecuritySettings
+from security.identity import Identity, read_member_dir
+from security.interceptor import CALLER_METADATA, ROLE_METADATA, TOKEN_METADATA, CallerInterceptor
+from security.keys import MEMBER, Keyring
 
 __all__ = ["CALLER_METADATA", "TOKEN_METADATA", "Security", "load_token", "security_from_settings"]
 
@@ -85,7 +82,7 @@ class Security:
 
     @cached_property
     def keyring(self) -> Keyring:
-        """The keys the token holds (``rpc.keys``); ``ValueError`` for a credential that does not parse."""
+        """The keys the token holds (``security.keys``); ``ValueError`` for a credential that does not parse."""
         return Keyring.from_token(self.token)
 
     def credential(self, role: str) -> str:
@@ -147,7 +144,7 @@ class Security:
     # -- signatures -------------------------------------------------------------------------------------
 
     def sign(self, purpose: str, *parts: object) -> str:
-        """HMAC-SHA256 of ``purpose`` and ``parts`` under the purpose's key (``rpc.keys``; '' when insecure:
+        """HMAC-SHA256 of ``purpose`` and ``parts`` under the purpose's key (``security.keys``; '' when insecure:
         integrity against mistakes only); ``PermissionError`` when our credential holds no such key."""
         return self.keyring.sign(purpose, *parts)
 
@@ -156,6 +153,17 @@ class Security:
 
 
 # -- configuration ------------------------------------------------------------------------------------------
+
+
+class SecuritySettings(Protocol):
+    """What a process's security flags and ``KVSERVE_*`` variables say (``rpc.options.SecuritySettings``)."""
+
+    cluster_token_file: str | None
+    cluster_certs: str | None
+    insecure_internal: bool
+    tls_cert: str | None
+    tls_key: str | None
+    tls_ca: str | None
 
 
 def tls_files(settings: SecuritySettings) -> dict[str, bytes]:

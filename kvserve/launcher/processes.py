@@ -1,4 +1,4 @@
-"""The cluster's child processes as the supervisor sees them (``kvserve.supervisor.Supervised``): a gRPC
+"""The cluster's child processes as the supervisor sees them (``kvserve.launcher.supervisor.Supervised``): a gRPC
 worker or the router (``Child``) and the embedded Redis (``RedisChild``)."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import secrets
 import subprocess
 from pathlib import Path
 
-from kvserve.child_process import describe_exit, die_with_parent, listens
-from kvserve.redis_server import EmbeddedRedis
+from kvserve.launcher.child_process import describe_exit, die_with_parent, listens
+from kvserve.launcher.redis_server import EmbeddedRedis
 from kvstore.shared_pool import SHM_DIR_ENV, pool_file_name
-from rpc.auth import Security
-from rpc.identity import Identity
 from rpc.server import INSTANCE_ENV, wait_healthy
+from security.auth import Security
+from security.identity import Identity
 
 HEALTH_PROBE_S = 0.1
 _STDERR_FD = 2  # the launcher's own stderr, even where ``sys.stderr`` is replaced (pytest)

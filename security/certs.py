@@ -1,6 +1,6 @@
 """A cluster's certificate authority and its members' certificates (``kvserve up``, ``kvserve certs``).
 
-Each member gets a directory (``rpc.identity``: ``cert.pem``, ``key.pem``, ``ca.pem``) whose certificate
+Each member gets a directory (``security.identity``: ``cert.pem``, ``key.pem``, ``ca.pem``) whose certificate
 names its role and name (SAN URI ``kvserve://ROLE/NAME`` and DNS ``NAME.ROLE.kvserve``, ``ROLE.kvserve``)
 and the addresses it serves on (SAN IP or DNS: 127.0.0.1 and localhost always), signed by the cluster CA.
 Keys are ECDSA P-256 and never leave their directory (mode 0700, files 0600).
@@ -8,7 +8,7 @@ Keys are ECDSA P-256 and never leave their directory (mode 0700, files 0600).
 ``kvserve up`` makes a CA per start and keeps its key in memory only. ``kvserve certs --out DIR --names ...``
 makes a CA once (``DIR/ca/``: its key, and the cluster secret the members' credentials derive from: the
 cluster token when one is set, else a new one) and a directory per member (``DIR/NAME/``: certificate, key,
-CA and ``token``, that member's credential: the keys of its role only, ``rpc.keys``), for containers to mount
+CA and ``token``, that member's credential: the keys of its role only, ``security.keys``), for containers to mount
 (docker-compose.yml: each its own volume); run again with new names, it adds members under the same CA and
 secret. A member directory that exists empty (a volume's mount point) is filled in.
 """
@@ -27,8 +27,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from rpc.identity import CA_FILE, CERT_FILE, KEY_FILE, Identity, check_name
-from rpc.keys import ROLE_KEYS, Keyring
+from security.identity import CA_FILE, CERT_FILE, KEY_FILE, Identity, check_name
+from security.keys import ROLE_KEYS, Keyring
 
 TOKEN_FILE = "token"  # a member directory's credential (``kvserve certs``)
 CA_DIR, CA_KEY_FILE, SECRET_FILE = "ca", "ca.key", "cluster-secret"

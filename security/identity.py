@@ -1,10 +1,10 @@
 """Who a cluster certificate names, and who is at the other end of an internal call.
 
-A cluster certificate (``kvserve.certs`` issues them: ``kvserve up`` for its children, ``kvserve certs`` for
+A cluster certificate (``security.certs`` issues them: ``kvserve up`` for its children, ``kvserve certs`` for
 containers) names one member by role and name twice:
 
 * a SAN URI ``kvserve://ROLE/NAME`` (``decode`` and ``decode-0``), which a server reads from the caller's
-  certificate to decide what it may call (``rpc.auth``: Decode <- router, Prefill <- decode,
+  certificate to decide what it may call (``security.auth``: Decode <- router, Prefill <- decode,
   KVTransfer <- prefill);
 * a SAN DNS name ``NAME.ROLE.kvserve``, which a client asks TLS to verify (``grpc.ssl_target_name_override``),
   so that it talks only to the member it meant: the router to the decode worker it picked, the decode worker

@@ -4,7 +4,7 @@ Ports: the router listens on ``port`` (gRPC) and ``http_port`` (the OpenAI-compa
 worker *i* on ``port + 10 + i``, prefill worker *i* on ``port + 30 + i``. Every child gets, through its
 environment (never its command line, which ``ps`` shows):
 
-* ``KVSERVE_CLUSTER_TOKEN``: the child's credential, the keys of its role only (``rpc.keys``), derived from
+* ``KVSERVE_CLUSTER_TOKEN``: the child's credential, the keys of its role only (``security.keys``), derived from
   the cluster token (one is generated when none is given), unless the cluster runs with
   ``--insecure-internal``;
 * ``KVSERVE_SHM_DIR``: the cluster's own directory of shared-memory KV pools (``kvserve-<uid>-cluster-<port>``
@@ -19,12 +19,12 @@ environment (never its command line, which ``ps`` shows):
 
 Internal gRPC runs over mutual TLS (unless ``internal_tls`` is false or the cluster is insecure): each start
 makes a cluster CA, whose key stays in the launcher's memory, and a certificate per child naming its role
-and name (``kvserve.certs``), in ``tls-<launcher pid>/<child>/`` of the pool directory (mode 0700, removed on
+and name (``security.certs``), in ``tls-<launcher pid>/<child>/`` of the pool directory (mode 0700, removed on
 a clean stop), passed with ``--cluster-certs``. The launcher checks its children's health with a certificate
 of its own (role ``launcher``, which may call no internal service). The router's public port stays as the
 user asked: plain, or ``--tls-*`` (which only the router gets).
 
-The launcher holds its pool directory and its Redis's scratch directory while it lives (``kvserve.scratch``),
+The launcher holds its pool directory and its Redis's scratch directory while it lives (``kvserve.launcher.scratch``),
 and every start removes the ones of this user's clusters whose launcher died (SIGKILL skips the clean stop).
 
 Every child is started with ``die_with_parent`` and in its own process group: a SIGKILLed launcher takes
@@ -51,16 +51,16 @@ from pathlib import Path
 from cluster_state.registry import Registry
 from engine.bundled import resolve_model
 from engine.config import ModelSettings
-from kvserve.cluster_tls import ClusterCredentials, public_security, split_public_tls
-from kvserve.processes import Child, RedisChild
-from kvserve.redis_server import EmbeddedRedis
-from kvserve.scratch import HeldDir, cluster_shm_dir, hold_dir, remove_dead_clusters, remove_if_abandoned
+from kvserve.launcher.processes import Child, RedisChild
+from kvserve.launcher.redis_server import EmbeddedRedis
+from kvserve.launcher.scratch import HeldDir, cluster_shm_dir, hold_dir, remove_dead_clusters, remove_if_abandoned
 from kvstore.shared_pool import SHM_DIR_ENV, remove_stale_pools
-from rpc.auth import TOKEN_ENV, Security
 from rpc.options import REDIS_URL_ENV, SecuritySettings
 from rpc.requests import API_KEY_ENV
 from rpc.settings import env_name, fields_of, settings_argv, settings_from_argv
 from rpc.threads import host_cores
+from security.auth import TOKEN_ENV, Security
+from security.cluster_tls import ClusterCredentials, public_security, split_public_tls
 
 log = logging.getLogger(__name__)
 _WORKER_VIEWS_SETTLE_S = 1.2  # decode workers re-read the registry's prefill workers about once a second
@@ -80,7 +80,7 @@ class Cluster:
     children: list[Child] = field(default_factory=list)
     redis: EmbeddedRedis | None = None
     http_endpoint: str | None = None  # the router's OpenAI-compatible API, "http(s)://HOST:PORT"
-    shm_hold: HeldDir | None = None  # our hold on ``shm_dir`` (see kvserve.scratch)
+    shm_hold: HeldDir | None = None  # our hold on ``shm_dir`` (see kvserve.launcher.scratch)
     tls_dir: Path | None = None  # the children's cluster certificates (in ``shm_dir``)
 
     def child(self, name: str) -> Child:
@@ -88,7 +88,7 @@ class Cluster:
         return found
 
     def units(self) -> list[Child | RedisChild]:
-        """What ``kvserve.supervisor.Supervisor`` watches: every child, and the embedded Redis if any."""
+        """What ``kvserve.launcher.supervisor.Supervisor`` watches: every child, and the embedded Redis if any."""
         return [*self.children, *([RedisChild(self.redis)] if self.redis is not None else [])]
 
     def lines(self) -> list[str]:

@@ -25,7 +25,7 @@ from typing import ClassVar
 
 from kvstore.kv_cache import KVCache, KVCacheSpec
 from protos.kvserve.v1 import kvserve_pb2 as pb
-from rpc.auth import Security
+from security.auth import Security
 from transfer.backend import Backend
 from transfer.blocks import checksum_blocks
 

@@ -1,4 +1,4 @@
-"""GPU benchmark of the Triton kernels: ``python -m kernels.bench [--quick] [--sweep | --sweep-only]``.
+"""GPU benchmark of the Triton kernels: ``python -m kvserve.bench.kernels [--quick] [--sweep | --sweep-only]``.
 
 * paged decode attention, bf16, block size 16, shuffled block tables, against
   ``scaled_dot_product_attention`` (flash backend, ``enable_gqa=True``) on the
@@ -7,7 +7,7 @@
   divided by its time;
 * INT8 KV (``int8_v``, ``int8``) against bf16 at long context;
 * ``store_kvcache`` of 16k tokens against a plain copy of the same bytes;
-* ``--sweep``: every decode tile config of a small grid on a few shapes (``kernels.bench_sweep``).
+* ``--sweep``: every decode tile config of a small grid on a few shapes (``kvserve.bench.kernel_sweep``).
 
 Times are medians from ``triton.testing.do_bench``, which clears the L2 cache
 before every run. Needs CUDA; elsewhere it says so and exits 0.
@@ -21,8 +21,8 @@ import sys
 
 import torch
 
-from kernels import bench_inputs as inputs
-from kernels.bench_sweep import run_sweep
+from kvserve.bench import kernel_inputs as inputs
+from kvserve.bench.kernel_sweep import run_sweep
 
 HEAD_LAYOUTS = ((32, 8, 128), (14, 2, 64))  # (query heads, kv heads, head_dim)
 
@@ -150,11 +150,11 @@ def bench_store(num_tokens: int = 16384, num_kv_heads: int = 8, head_dim: int = 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Benchmark the Triton kernels on a CUDA GPU.")
     parser.add_argument("--quick", action="store_true", help="a few shapes only (about 20 seconds)")
-    parser.add_argument("--sweep", action="store_true", help="also sweep decode tile configs (kernels.bench_sweep)")
+    parser.add_argument("--sweep", action="store_true", help="also sweep decode tile configs (kernel_sweep)")
     parser.add_argument("--sweep-only", action="store_true", help="only the sweep, not the tables")
     options = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernels.bench needs a CUDA GPU; none is available here, so there is nothing to measure.")
+        print("kvserve.bench.kernels needs a CUDA GPU; none is available here, so there is nothing to measure.")
         return 0
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     if options.quick and not options.sweep_only:

@@ -1,4 +1,4 @@
-"""The decode tile-config sweep of ``python -m kernels.bench --sweep``: every config of ``SWEEP_GRID`` on each
+"""The decode tile-config sweep of ``python -m kvserve.bench.kernels --sweep``: every config of ``SWEEP_GRID`` on each
 of ``SWEEP_SHAPES`` (bf16, the INT8 caches, d64), timed as CUDA-graph replays (``do_bench_cudagraph``); it
 prints the INT8 caches' speed against bf16 and the entries of ``decode_attention._MEASURED_CONFIGS`` for this
 GPU, ready to paste.
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import bench_inputs as inputs
+from kvserve.bench import kernel_inputs as inputs
 
 # The sweep's shapes: (KV cache dtype, batch, ctx, query heads, kv heads, head_dim). bf16 d128 at ctx 8192 is
 # what the INT8 caches are compared with (the issue's target: int8_v >= 1.2x, int8 >= 1.4x its speed).
@@ -151,7 +151,7 @@ def print_table_entries(results: list[SweepResult], gpu: str) -> None:
             batch, ctx, num_q_heads, num_kv_heads, _ = r.shape
             shipped_us = r.engine_time(r.shipped)
             shipped = "n/a" if shipped_us is None else f"{shipped_us:.1f} us"
-            print(f"        # kernels.bench --sweep, batch {batch}, ctx {ctx}, {num_q_heads}:{num_kv_heads}: "
+            print(f"        # kvserve.bench.kernels --sweep, batch {batch}, ctx {ctx}, {num_q_heads}:{num_kv_heads}: "
                   f"{r.engine_time(config):.1f} us, against {shipped} for {r.shipped}.")  # fmt: skip
         print(f'        ({head_dim}, "{kv_dtype}"): {config},')
     print("    },")

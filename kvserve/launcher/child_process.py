@@ -1,8 +1,8 @@
 """What a launcher asks of the operating system about its child processes: that they die with it, how one
 ended, and whether something listens on a port.
 
-A leaf: it imports nothing of ours, so the supervisor, the child wrappers (``kvserve.processes``) and the
-embedded Redis (``kvserve.redis_server``) all build on it without importing each other.
+A leaf: it imports nothing of ours, so the supervisor, the child wrappers (``kvserve.launcher.processes``) and the
+embedded Redis (``kvserve.launcher.redis_server``) all build on it without importing each other.
 """
 
 from __future__ import annotations

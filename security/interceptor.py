@@ -1,4 +1,4 @@
-"""The one server interceptor that decides who may call the internal services (``rpc.keys.CALLERS``):
+"""The one server interceptor that decides who may call the internal services (``security.keys.CALLERS``):
 
     kvserve.v1.Decode      <- the router
     kvserve.v1.Prefill     <- decode workers
@@ -7,7 +7,7 @@
 With cluster certificates (mutual TLS, the default of ``kvserve up``) the caller's role is the one its
 certificate names (TLS verified it against the cluster CA before any byte of the call arrived), and a
 ``x-kvserve-worker`` it sends must be the certificate's name. Without them, the caller sends its role's call
-token (``rpc.keys``) with the role it claims. A call that fails either check ends with UNAUTHENTICATED (no or
+token (``security.keys``) with the role it claims. A call that fails either check ends with UNAUTHENTICATED (no or
 a wrong credential) or PERMISSION_DENIED (a member whose role may not call this service) before its handler
 runs. Health and reflection stay open, and so does the router's public ``Inference`` service.
 """
@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from rpc.identity import peer_identity
-from rpc.keys import CALLERS, MEMBER
+from security.identity import peer_identity
+from security.keys import CALLERS, MEMBER
 
 if TYPE_CHECKING:
-    from rpc.auth import Security
+    from security.auth import Security
 
 TOKEN_METADATA = "x-kvserve-token"
 ROLE_METADATA = "x-kvserve-role"  # the role whose call token ``x-kvserve-token`` is
@@ -49,7 +49,7 @@ class CallerInterceptor(grpc.aio.ServerInterceptor):
         if refusal == "unauthenticated":
             return _checked(handler, lambda _: (grpc.StatusCode.UNAUTHENTICATED, f"{details.method} serves cluster "
                                                 "members only: send your role's call token as "
-                                                f"'{TOKEN_METADATA}' metadata (rpc.keys)"))  # fmt: skip
+                                                f"'{TOKEN_METADATA}' metadata (security.keys)"))  # fmt: skip
         if refusal:
             return _checked(handler, lambda _: (grpc.StatusCode.PERMISSION_DENIED, refusal))
         return handler
