@@ -63,12 +63,12 @@ def _up(up: UpSettings) -> None:
     import signal
     import threading
 
-    from kvserve.launcher.cluster import start_cluster
+    from kvserve.launcher.cluster import launch
+    from kvserve.launcher.plan import plan_cluster
     from kvserve.launcher.supervisor import Supervisor
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kvserve %(levelname)s %(message)s")
-    if up.redis_tcp and up.redis_url:
-        raise ValueError("--redis-tcp is for the embedded Redis, and --redis-url (or $KVSERVE_REDIS_URL) names another")
+    plan = plan_cluster(up)
     security = _cluster_security(up)
     _warn_of_a_password_on_the_command_line(up.redis_url)
     print(f"kvserve: starting {up.prefill} prefill + {up.decode} decode workers and a router...", flush=True)
@@ -76,16 +76,10 @@ def _up(up: UpSettings) -> None:
     def interrupt(*_) -> None:
         raise KeyboardInterrupt
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # during start-up, like Ctrl-C: start_cluster stops what it began
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # during start-up, like Ctrl-C: launch stops what it began
         signal.signal(sig, interrupt)
     try:
-        cluster = start_cluster(num_prefill=up.prefill, num_decode=up.decode, port=up.port, http_port=up.http_port,
-                                redis_url=up.redis_url, engine_argv=up.engine_argv(), decode_argv=up.decode_argv(),
-                                prefill_gpu_memory_utilization=up.prefill_gpu_memory_utilization,
-                                decode_gpu_memory_utilization=up.decode_gpu_memory_utilization, security=security,
-                                security_argv=up.security_argv(), threads=up.threads,
-                                drain_timeout_s=up.drain_timeout, log_dir=up.log_dir, router_argv=up.router_argv(),
-                                api_key=up.api_key, internal_tls=up.internal_tls, redis_tcp=up.redis_tcp)  # fmt: skip
+        cluster = launch(plan, security)
     except KeyboardInterrupt:
         print("kvserve: interrupted during start-up; everything stopped", flush=True)
         return
@@ -175,10 +169,9 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(status)
         return
     if argv[:1] == ["up"]:  # its flags come from its settings model (``kvserve.settings``)
-        from kvserve import settings
-        from rpc.settings import parse_settings
+        from kvserve.settings import parse_up
 
-        _run(_up, parse_settings(settings.UpSettings, argv[1:], "kvserve up", settings.__doc__, settings.UP_SET_FIELDS))
+        _run(_up, parse_up(argv[1:]))
         return
     parser = argparse.ArgumentParser(prog="kvserve", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -27,9 +27,10 @@ def _ask(address: str, question: str) -> tuple[str, str, object, float]:
 
 def main(model: str = "default") -> None:
     from kvserve.launcher.cluster import start_cluster
+    from kvserve.settings import UpSettings
 
     print("starting the cluster: embedded Redis, 1 prefill worker, 1 decode worker, router ...", flush=True)
-    cluster = start_cluster(engine_argv=["--model", model], port=50051)
+    cluster = start_cluster(UpSettings(model=model, port=50051, http_port=0))
     try:
         print(f"serving on {cluster.endpoint}\n", flush=True)
         with ThreadPoolExecutor(len(QUESTIONS)) as pool:

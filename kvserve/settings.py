@@ -15,6 +15,7 @@ it shares with its children on by walking their models (``rpc.settings.settings_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import Field
@@ -22,7 +23,7 @@ from pydantic import Field
 from engine.config import EngineConfig
 from router.settings import ApiKeySettings, StreamSettings
 from rpc.options import DrainSettings, KVTransportChoice, RegistrySettings, SecuritySettings, ThreadSettings
-from rpc.settings import fields_of, settings_argv
+from rpc.settings import fields_of, parse_settings, settings_argv
 
 UP_SET_FIELDS = ("gpu_memory_utilization", "shared_kv_name")
 
@@ -84,3 +85,10 @@ class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings
                  if (path := getattr(self, name))}  # fmt: skip
         passed = fields_of(SecuritySettings, ("cluster_token_file", "cluster_certs"))  # environment; made by up
         return settings_argv(self.model_copy(update=paths), passed)
+
+
+def parse_up(argv: Sequence[str]) -> UpSettings:
+    """``kvserve up``'s settings from its flags, its ``KVSERVE_*`` variables and the defaults; a flag it does not
+    know ends the program as it ends ``kvserve up`` (status 2). The CLI reads its command line so, and so does a
+    program that starts a cluster itself (``kvserve.launcher.cluster.start_cluster``)."""
+    return parse_settings(UpSettings, list(argv), "kvserve up", __doc__, UP_SET_FIELDS)

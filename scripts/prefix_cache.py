@@ -36,7 +36,9 @@ from kvserve.bench.datasets import shared_prefix_requests  # noqa: E402
 from kvserve.bench.loadgen import LoadResult, run_load  # noqa: E402
 from kvserve.client import Client  # noqa: E402
 from kvserve.launcher.cluster import Cluster, free_base_port, start_cluster  # noqa: E402
+from kvserve.launcher.plan import ExtraArgv  # noqa: E402
 from kvserve.launcher.processes import Child  # noqa: E402
+from kvserve.settings import parse_up  # noqa: E402
 
 VOCAB = 49152
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -47,8 +49,9 @@ def up(log_dir: str, num_prefill: int, num_decode: int, caching: bool, decode_ar
     os.makedirs(log_dir, exist_ok=True)
     engine = ["--model", "default", "--num-blocks", "1024", "--block-size", "16", "--enable-prefix-caching",
               str(caching).lower()]  # fmt: skip
-    return start_cluster(num_prefill=num_prefill, num_decode=num_decode, port=free_base_port(), engine_argv=engine,
-                         decode_argv=decode_argv, prefill_argv=prefill_argv, log_dir=log_dir)  # fmt: skip
+    up = parse_up([*engine, "--prefill", str(num_prefill), "--decode", str(num_decode), "--port", str(free_base_port()),
+                   "--http-port", "0", "--log-dir", log_dir])  # fmt: skip
+    return start_cluster(up, ExtraArgv(decode=tuple(decode_argv or ()), prefill=tuple(prefill_argv or ())))
 
 
 def ttft(log_dir: str, rounds: int) -> None:

@@ -35,6 +35,7 @@ from cluster_state.registry import Registry  # noqa: E402
 from kvserve.bench.loadgen import BenchRequest, LoadResult, run_load  # noqa: E402
 from kvserve.launcher.cluster import Cluster, free_base_port, start_cluster  # noqa: E402
 from kvserve.launcher.supervisor import RestartPolicy, Supervisor  # noqa: E402
+from kvserve.settings import parse_up  # noqa: E402
 
 ENGINE_ARGV = ["--model", "default", "--num-blocks", "512", "--block-size", "16"]
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -54,8 +55,9 @@ async def closed_loop(target: str, requests: list[BenchRequest], concurrency: in
 
 def up(log_dir: str, threads: int | None = None) -> Cluster:
     os.makedirs(log_dir, exist_ok=True)
-    return start_cluster(num_prefill=2, num_decode=2, port=free_base_port(), engine_argv=ENGINE_ARGV,
-                         threads=threads, log_dir=log_dir)  # fmt: skip
+    return start_cluster(parse_up([*ENGINE_ARGV, "--prefill", "2", "--decode", "2", "--port", str(free_base_port()),
+                                   "--http-port", "0", "--log-dir", log_dir,
+                                   *(["--threads", str(threads)] if threads else [])]))  # fmt: skip
 
 
 def wait_idle(cluster: Cluster, timeout_s: float = 60.0) -> tuple[list, int]:

@@ -88,6 +88,7 @@ def _run(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[Sampl
     """Each prompt offline, then through the cluster, alternating, so both see the same machine."""
     from kvserve.client import Client
     from kvserve.launcher.cluster import free_base_port, start_cluster
+    from kvserve.settings import parse_up
 
     engine_argv = ["--model", args.model, "--device", args.device, "--skip-tokenizer-init", "true"]
     if args.device == "cpu":
@@ -101,10 +102,11 @@ def _run(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[Sampl
             endpoint = stack.enter_context(multihost_cluster(engine_argv, logs, decode_argv,
                                                              threads=args.worker_threads)).endpoint  # fmt: skip
         else:
-            cluster = start_cluster(port=free_base_port(2), engine_argv=engine_argv, decode_argv=decode_argv,
-                                    threads=args.worker_threads,
-                                    prefill_gpu_memory_utilization=args.prefill_gpu_share,
-                                    decode_gpu_memory_utilization=args.decode_gpu_share)  # fmt: skip
+            up = parse_up([*engine_argv, *decode_argv, "--port", str(free_base_port(2)), "--http-port", "0",
+                           *(["--threads", str(args.worker_threads)] if args.worker_threads else []),
+                           "--prefill-gpu-memory-utilization", str(args.prefill_gpu_share),
+                           "--decode-gpu-memory-utilization", str(args.decode_gpu_share)])  # fmt: skip
+            cluster = start_cluster(up)
             stack.callback(cluster.stop)
             endpoint = cluster.endpoint
         engine = _offline_engine(args)

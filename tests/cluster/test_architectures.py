@@ -253,11 +253,13 @@ def test_greedy_through_a_1p1d_cluster(family, tmp_path):
 
     from kvserve.client import Client
     from kvserve.launcher.cluster import free_base_port, start_cluster
+    from kvserve.settings import parse_up
 
     _, path, model = family
     prompt = _prompt(41, 6)
     argv = ["--model", str(path), "--skip-tokenizer-init", "true", "--block-size", str(BLOCK), "--num-blocks", "64"]
-    c = start_cluster(port=free_base_port(), engine_argv=argv, log_dir=tmp_path, threads=1)
+    c = start_cluster(parse_up([*argv, "--port", str(free_base_port()), "--http-port", "0", "--log-dir", str(tmp_path),
+                                "--threads", "1"]))  # fmt: skip
     try:
         with Client(c.endpoint, timeout_s=60) as client:
             result = client.generate(prompt, temperature=0, max_tokens=8, ignore_eos=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import kv_cache_budget
-from kvserve.launcher.cluster import gpu_memory_shares
+from kvserve.launcher.plan import gpu_memory_shares
 
 GIB = 1 << 30
 
@@ -66,6 +66,7 @@ def test_1p1d_on_one_gpu_hands_off_by_cuda_ipc_with_the_offline_engines_tokens(t
     from engine import LLM, SamplingParams
     from kvserve.client import Client
     from kvserve.launcher.cluster import start_cluster
+    from kvserve.settings import parse_up
     from kvserve.testing.random_model import write_random_model
 
     model = write_random_model(tmp_path / "qwen2", "qwen2-0.5b", num_layers=4, device="cuda")
@@ -75,11 +76,11 @@ def test_1p1d_on_one_gpu_hands_off_by_cuda_ipc_with_the_offline_engines_tokens(t
     llm = LLM(str(model), device="cuda", skip_tokenizer_init=True, num_blocks=256, max_num_seqs=8)
     expected = [llm.generate([p], params)[0].token_ids for p in prompts]  # one at a time, like the cluster
     torch.cuda.empty_cache()  # the workers' shares are of the whole GPU: leave them the free memory
-    cluster = start_cluster(port=free_base_port(2), engine_argv=["--model", str(model), "--device", "cuda",
-                                                                 "--skip-tokenizer-init", "true",
-                                                                 "--max-num-seqs", "8"],
-                            prefill_gpu_memory_utilization=0.2, decode_gpu_memory_utilization=0.3,
-                            log_dir=tmp_path)  # fmt: skip
+    cluster = start_cluster(parse_up(["--model", str(model), "--device", "cuda", "--skip-tokenizer-init", "true",
+                                      "--max-num-seqs", "8", "--port", str(free_base_port(2)), "--http-port", "0",
+                                      "--prefill-gpu-memory-utilization", "0.2",
+                                      "--decode-gpu-memory-utilization", "0.3",
+                                      "--log-dir", str(tmp_path)]))  # fmt: skip
     try:
         with Client(cluster.endpoint, timeout_s=120) as client:
             results = [client.generate(p, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True) for p in prompts]

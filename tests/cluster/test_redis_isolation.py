@@ -28,6 +28,7 @@ from redis_probe import NOBODY, listening, probe, probe_as
 from kvserve.client import Client
 from kvserve.launcher.cluster import Cluster, free_base_port, start_cluster
 from kvserve.launcher.redis_server import EmbeddedRedis
+from kvserve.settings import parse_up
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +38,9 @@ NUM_REQUESTS = 40
 @pytest.fixture(scope="module")
 def two_decode(tmp_path_factory, tiny_model_dir) -> Iterator[Cluster]:
     """``kvserve up --prefill 0 --decode 2`` with its embedded Redis, on the tiny model (nothing here reads text)."""
-    c = start_cluster(num_prefill=0, num_decode=2, port=free_base_port(), engine_argv=tiny_engine_argv(tiny_model_dir),
-                      log_dir=str(tmp_path_factory.mktemp("logs")))  # fmt: skip
+    logs = str(tmp_path_factory.mktemp("logs"))
+    c = start_cluster(parse_up(["--prefill", "0", "--decode", "2", "--port", str(free_base_port()), "--http-port", "0",
+                                *tiny_engine_argv(tiny_model_dir), "--log-dir", logs]))  # fmt: skip
     yield c
     discard(c)
 
@@ -139,8 +141,9 @@ def test_the_redis_password_is_on_no_command_line(two_decode: Cluster, tmp_path:
     _assert_nowhere_on_a_command_line(two_decode, password)
 
     with EmbeddedRedis(password="an external/redis password") as external:  # a --redis-url the user gave
-        c = start_cluster(num_prefill=0, num_decode=1, port=free_base_port(), redis_url=external.url,
-                          engine_argv=tiny_engine_argv(tiny_model_dir), log_dir=str(tmp_path))  # fmt: skip
+        c = start_cluster(parse_up(["--prefill", "0", "--decode", "1", "--port", str(free_base_port()),
+                                    "--http-port", "0", "--redis-url", external.url, *tiny_engine_argv(tiny_model_dir),
+                                    "--log-dir", str(tmp_path)]))  # fmt: skip
         try:
             _assert_nowhere_on_a_command_line(c, external.password)
         finally:

@@ -14,7 +14,9 @@ import torch
 
 from kvserve.client import Client
 from kvserve.launcher.cluster import Cluster, free_base_port, start_cluster
+from kvserve.launcher.plan import ExtraArgv
 from kvserve.launcher.supervisor import RestartPolicy, Supervised, Supervisor
+from kvserve.settings import parse_up
 
 ENGINE_ARGV = ["--model", "default", "--num-blocks", "256", "--block-size", "16"]
 
@@ -29,16 +31,9 @@ def cluster(num_prefill: int, num_decode: int, log_dir, decode_argv=None, prefil
             http: bool = False, engine_argv: list[str] = ENGINE_ARGV) -> Cluster:  # fmt: skip
     """``http``: the router also serves the OpenAI-compatible API (``Cluster.http_endpoint``)."""
     port = free_base_port()
-    return start_cluster(
-        num_prefill=num_prefill,
-        num_decode=num_decode,
-        port=port,
-        http_port=port + 1 if http else 0,
-        engine_argv=engine_argv,
-        decode_argv=decode_argv,
-        prefill_argv=prefill_argv,
-        log_dir=str(log_dir),
-    )
+    up = parse_up(["--prefill", str(num_prefill), "--decode", str(num_decode), "--port", str(port),
+                   "--http-port", str(port + 1 if http else 0), "--log-dir", str(log_dir), *engine_argv])  # fmt: skip
+    return start_cluster(up, ExtraArgv(decode=tuple(decode_argv or ()), prefill=tuple(prefill_argv or ())))
 
 
 def discard(c: Cluster) -> None:
