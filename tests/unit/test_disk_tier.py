@@ -18,7 +18,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore.disk_tier import DiskTier, bytes_per_file
+from kvstore import disk_format
+from kvstore.disk_format import bytes_per_file
+from kvstore.disk_tier import DiskTier
 from kvstore.kv_cache import KVCache, KVCacheSpec
 from kvstore.layout import fingerprint
 from kvstore.prefix_hash import block_hashes
@@ -99,14 +101,14 @@ def test_store_copies_at_once_and_does_not_wait_for_the_disk(open_tier, monkeypa
     (h0, t0, p0), (h1, t1, p1) = _chain(2)
     expected = _block(src, 0)
     writing, gate = threading.Event(), threading.Event()
-    write_file = tier._write_file
+    write_file = disk_format.write_block_file
 
     def slow_disk(*args):
         writing.set()
         gate.wait(10)
         write_file(*args)
 
-    monkeypatch.setattr(tier, "_write_file", slow_disk)
+    monkeypatch.setattr(disk_format, "write_block_file", slow_disk)
     try:
         assert tier.store(h0, p0, t0, src.layers, 0)
         assert tier.store(h1, p1, t1, src.layers, 1)  # returns although the writer is stuck on the first
@@ -261,7 +263,7 @@ def test_a_failed_write_drops_the_block(open_tier, monkeypatch):
     def full_disk(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(tier, "_write_file", full_disk)
+    monkeypatch.setattr(disk_format, "write_block_file", full_disk)
     tier.store(h, p, t, _pool(SPEC, 1, seed=9).layers, 0)
     tier.flush()
     assert not tier.contains(h) and tier.used_bytes == 0 and tier.take_events() == ([], [])
