@@ -1,7 +1,8 @@
 """Command lines generated from settings models: one function builds every process's flags and reads them.
 
-A process's options are one pydantic-settings model (``engine.config.Settings`` and the groups composed
-into it: ``rpc.options``, ``router.settings``, ...). From it, and from nothing written by hand:
+A process's options are one pydantic-settings model (built on ``rpc.settings.Settings``, or on
+``engine.config.ModelSettings`` for the engine's, with the groups composed into it: ``rpc.options``,
+``router.settings``, ...). From it, and from nothing written by hand:
 
 * each field ``name`` is a flag ``--name`` with ``_`` as ``-``; ``bool`` takes ``true|false`` (a bare flag
   means true), a ``Literal`` shows its choices, ``list[str]`` repeats, ``X | None`` means "unset";
