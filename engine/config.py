@@ -185,7 +185,7 @@ def _gib(nbytes: float) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a decoder ``engine.model`` runs, read from a Hugging Face config.json.
+    """The shape of a decoder ``engine.models.model`` runs, read from a Hugging Face config.json.
 
     The fields after ``sliding_window_layers`` are where the families differ; their defaults are Llama's.
     """

@@ -17,7 +17,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graph import DecodeGraphs, decode_buckets, decode_forward
 from engine.input_batch import PaddedDecodeInputs, StagingBuffer, stage_step
-from engine.loader import load_model
+from engine.models.loader import load_model
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
