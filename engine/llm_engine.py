@@ -20,9 +20,10 @@ from __future__ import annotations
 import itertools
 
 from engine.bundled import resolve_model
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.continuation import Continuation, check_continuation, resume
 from engine.kv_connector import TRANSFER_EXPIRED, ConnectorChain, KVConnector
+from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, StepError
 from engine.sampling_params import SamplingParams, check_token_ids

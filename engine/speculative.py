@@ -1,10 +1,7 @@
 """Speculative decoding: a cheap proposer guesses a sequence's next tokens, one target step scores them all, and
 the longest run the target agrees with is kept, plus the target's own next token.
 
-``speculative_config`` is spelled as vLLM spells it::
-
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    {"method": "draft", "model": DIR, "num_speculative_tokens": 4}
+Its options are ``engine.config.SpeculativeConfig`` (``speculative_config``, spelled as vLLM spells it).
 
 Verification. A speculating sequence brings its last token and its k proposals d1..dk to one step, which
 computes their KV like a prefill chunk and keeps the logits of all k+1 rows. Row j is sampled exactly as a
@@ -30,83 +27,19 @@ the back-off keeps rare.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from engine.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from engine.draft_model import DraftProposer
 
-MAX_SPECULATIVE_TOKENS = 16
-_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
-
 WINDOW = 8  # verify steps a sequence's acceptance is judged over
 MIN_MEAN_ACCEPTED = 0.5  # tokens accepted per verify step, on average, below which speculating does not pay
 FIRST_BACKOFF, MAX_BACKOFF = 16, 512  # decode steps without proposals after a window that did not pay
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    method: Literal["ngram", "draft"]
-    num_speculative_tokens: int
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    model: str | None = None  # the draft model's directory (method "draft")
-
-    @classmethod
-    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
-        """From a dict or its JSON text (the worker flag's form); None or {} is off. ``ValueError`` naming the
-        field for an unknown key, method or bound."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value) if value.strip() else {}
-            except json.JSONDecodeError as err:
-                raise ValueError(f"speculative_config is not JSON: {err}") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a JSON object, e.g. "
-                             '{"method": "ngram", "num_speculative_tokens": 4}')  # fmt: skip
-        if not value:
-            return None
-        unknown = sorted(set(value) - _FIELDS)
-        if unknown:
-            raise ValueError(f"speculative_config.{unknown[0]} is not a field; the fields are {sorted(_FIELDS)}")
-        method = value.get("method")
-        if method not in ("ngram", "draft"):
-            raise ValueError(f"speculative_config.method={method!r} is not a method; use 'ngram' or 'draft'")
-        k = value.get("num_speculative_tokens")
-        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_config.num_speculative_tokens={k!r} must be an integer in "
-                             f"1..{MAX_SPECULATIVE_TOKENS}")  # fmt: skip
-        config = cls(method, k, **{name: value[name] for name in ("prompt_lookup_min", "prompt_lookup_max", "model")
-                                   if name in value})  # fmt: skip
-        if method == "ngram":
-            lo, hi = config.prompt_lookup_min, config.prompt_lookup_max
-            for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-                if not _is_int(n) or n < 1:
-                    raise ValueError(f"speculative_config.{name}={n!r} must be an integer of at least 1")
-            if lo > hi:
-                raise ValueError(f"speculative_config.prompt_lookup_min={lo} exceeds prompt_lookup_max={hi}")
-            if config.model is not None:
-                raise ValueError("speculative_config.model names a draft model: set method 'draft' to use one")
-        elif not isinstance(config.model, str) or not config.model:
-            raise ValueError("speculative_config.model: method 'draft' needs the draft model's directory")
-        return config
-
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
-        if self.method == "ngram":
-            out.update(prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)
-        else:
-            out["model"] = self.model
-        return out
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def ngram_proposal(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:

@@ -6,6 +6,6 @@
 * ``loader``: fills a ``CausalLM`` from a safetensors checkpoint, fusing its q/k/v, gate/up and experts'
   tensors into the model's own parameters (it changes whenever those parameters do, so it lives beside them).
 
-The model's shape comes from ``engine.config`` (config.json parsed once); the runner
+The model's shape comes from ``engine.model_config`` (config.json parsed once); the runner
 (``engine.model_runner``) owns the weights and the KV pool and calls ``CausalLM`` each step.
 """

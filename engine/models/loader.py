@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.models.model import CausalLM
 from engine.models.rotary import rotary_embeddings
 

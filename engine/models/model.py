@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.models.attention import AttentionMetadata, paged_attention
 from engine.models.moe import SparseMoE
 from engine.models.rotary import rotary_embeddings

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.bundled import SUPPORTED_ARCHITECTURES, resolve_model
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.models.loader import load_model
 
 VOCAB, BLOCK, NEW_TOKENS = 512, 4, 12
