@@ -25,6 +25,7 @@ from engine.continuation import Continuation, check_continuation, resume
 from engine.kv_connector import TRANSFER_EXPIRED, ConnectorChain, KVConnector
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, StepError
 from engine.sampling_params import SamplingParams, check_token_ids
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -66,6 +67,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len, self.runner.model_ring)
         self._sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
@@ -263,9 +265,8 @@ class LLMEngine:
             raise StepError([seq.seq_id for seq in batch.seqs], err) from err
         outputs = []
         for seq in failed:  # its KV may be incomplete there, or was read past the right to: keep nothing
-            self.scheduler.finish(seq, TRANSFER_EXPIRED)
-            self._sequences.pop(seq.seq_id, None)
-            outputs.append(self._output(seq, []))
+            self._finish(seq, TRANSFER_EXPIRED)
+            outputs.append(self.output_processor.output(seq, []))
         accepted = self._verify(batch.seqs, sampled)
         for i, (seq, n, tokens) in enumerate(zip(batch.seqs, batch.num_new_tokens, sampled, strict=True)):
             if seq.is_finished:
@@ -295,59 +296,13 @@ class LLMEngine:
         return dict(zip(speculating, kept, strict=True))
 
     def _append_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
-        """Append ``tokens`` one by one until one ends the request (a stop token or string, ``max_tokens``):
-        nothing after it is ever emitted."""
-        appended = []
-        for token in tokens:
-            seq.token_ids.append(token)
-            appended.append(token)
-            new_text = seq.detokenizer.add([token])
-            reason = self._check_stop(seq, token, new_text)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                self._sequences.pop(seq.seq_id, None)
-                break
-        return self._output(seq, appended)
+        """Append ``tokens`` (``OutputProcessor.append``), end the request when one of them ends it, and return
+        its output."""
+        appended, reason = self.output_processor.append(seq, tokens)
+        if reason is not None:
+            self._finish(seq, reason)
+        return self.output_processor.output(seq, appended)
 
-    def _check_stop(self, seq: Sequence, token: int, new_text: str) -> str | None:
-        params = seq.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if params.stop and new_text:
-            # only the tail can hold a new match: the new text plus the longest stop string before it
-            detok = seq.detokenizer
-            tail = detok.tail(len(new_text) + max(len(s) for s in params.stop))
-            hits = [i for s in params.stop if (i := tail.find(s)) != -1]
-            if hits:
-                detok.truncate(detok.num_chars - len(tail) + min(hits))
-                return "stop"
-        num_tokens = len(seq.token_ids)
-        if num_tokens - len(seq.prompt_token_ids) >= params.max_tokens:
-            return "length"
-        if num_tokens >= self.max_model_len and (seq.ring is None or seq.ring == self.runner.model_ring):
-            return "length"  # (a streaming sequence goes on: its ring holds the same blocks however long it runs)
-        return None
-
-    def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
-        detok = seq.detokenizer
-        # While running, hold back text that could still turn out to be the start of a stop string,
-        # so that the concatenated deltas always equal the final text.
-        stop, finished = seq.params.stop, seq.is_finished
-        holdback = max(map(len, stop)) - 1 if stop else 0
-        upto = detok.num_chars if finished else max(seq.num_emitted_chars, detok.num_chars - holdback)
-        new_text = detok.slice(seq.num_emitted_chars, upto)
-        seq.num_emitted_chars = upto
-        return RequestOutput(
-            request_id=seq.seq_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            new_token_ids=new_token_ids,
-            new_text=new_text,
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            num_preemptions=seq.num_preemptions,
-            num_cached_tokens=seq.num_cached_tokens,
-            num_external_tokens=seq.num_external_tokens,
-            num_output_tokens=len(seq.token_ids) - len(seq.prompt_token_ids),
-            _seq=seq,
-            _num_chars=detok.num_chars,
-        )
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self._sequences.pop(seq.seq_id, None)
