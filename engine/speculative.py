@@ -18,6 +18,10 @@ coupling accepts a little less often than Leviathan's min(1, p/q) would (at leas
 token, TV the total variation distance between the two distributions), in exchange for outputs that never
 depend on what was proposed.
 
+A step's life, as ``LLMEngine`` drives it: ``Speculator.propose`` before scheduling; after the step,
+``Speculator.accepted_in`` says how many proposals each sequence keeps, and ``keep_accepted`` counts only
+their KV as computed and gives the rejected proposals' blocks back to the pool in the same step.
+
 The off-switch (``AcceptanceTracker``): a sequence whose last ``WINDOW`` verify steps accepted on average
 fewer than ``MIN_MEAN_ACCEPTED`` tokens stops proposing for ``backoff`` decode steps, then tries again; each
 failure in a row doubles the backoff (up to ``MAX_BACKOFF``), and a window that pays resets it. A verify step
@@ -35,7 +39,12 @@ import numpy as np
 from engine.config import SpeculativeConfig
 
 if TYPE_CHECKING:
+    from engine.config import EngineConfig
     from engine.draft_model import DraftProposer
+    from engine.model_config import ModelConfig
+    from engine.sequence import Sequence
+    from engine.tokenizer import Tokenizer
+    from kvstore import BlockManager
 
 WINDOW = 8  # verify steps a sequence's acceptance is judged over
 MIN_MEAN_ACCEPTED = 0.5  # tokens accepted per verify step, on average, below which speculating does not pay
@@ -151,6 +160,15 @@ class Speculator:
             seq.spec_token_ids = ngram_proposal(tokens, k, config.prompt_lookup_min,
                                                 config.prompt_lookup_max).tolist()  # fmt: skip
 
+    def accepted_in(self, seqs: list[Sequence], sampled: list[list[int]]) -> dict[int, int]:
+        """Batch index -> proposals kept, for each sequence of a step's batch that speculated and is still
+        running (``verify``)."""
+        speculating = [i for i, seq in enumerate(seqs) if seq.spec_token_ids and not seq.is_finished]
+        if not speculating:
+            return {}
+        kept = self.verify([seqs[i] for i in speculating], [sampled[i] for i in speculating])
+        return dict(zip(speculating, kept, strict=True))
+
     def verify(self, seqs: list, sampled: list[list[int]]) -> list[int]:
         """For speculating ``seqs`` and the target's tokens at each of their rows: how many proposals each
         keeps. Records the acceptance (stats, each sequence's tracker)."""
@@ -169,3 +187,33 @@ class Speculator:
         for seq, a in zip(seqs, accepted, strict=True):
             seq.spec_tracker.record(a)
         return accepted
+
+
+def build_speculator(config: EngineConfig, model_config: ModelConfig, tokenizer: Tokenizer | None,
+                     num_blocks: int, max_model_len: int) -> Speculator | None:  # fmt: skip
+    """The speculator ``config.speculative_config`` asks for (a draft model's with a pool of ``num_blocks``
+    blocks), or None."""
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    if spec is None:
+        return None
+    draft = None
+    if spec.method == "draft":
+        from engine.draft_model import DraftProposer
+
+        draft = DraftProposer(spec.model, spec.num_speculative_tokens, config, model_config, tokenizer, num_blocks)
+    return Speculator(spec, max_model_len, draft)
+
+
+def keep_accepted(seq: Sequence, num_new_tokens: int, tokens: list[int], num_accepted: int,
+                  block_manager: BlockManager) -> list[int]:  # fmt: skip
+    """After a verify step that computed ``num_new_tokens`` of ``seq`` (its last token and its proposals) and
+    sampled ``tokens``, keep its first ``num_accepted`` proposals: only their KV counts as computed, the
+    rejected proposals' blocks go back to the pool at once, and full blocks of kept tokens are cached. Returns
+    the tokens to append: the accepted run and the target's own token after it."""
+    seq.num_computed_tokens += num_new_tokens - (len(seq.spec_token_ids) - num_accepted)
+    held = [*seq.token_ids, *tokens[:num_accepted]]  # (== its token ids once the run is appended)
+    seq.spec_token_ids.clear()
+    block_manager.truncate(seq.seq_id, len(held) + 1)
+    seq.block_table = block_manager.block_table_array(seq.seq_id)
+    block_manager.cache_full_blocks(seq.seq_id, held, seq.num_computed_tokens)
+    return tokens[: num_accepted + 1]
