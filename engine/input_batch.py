@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, RingMetadata
+from engine.models.attention import AttentionMetadata, RingMetadata
 from engine.sequence import Sequence
 from kvstore import batch_slots
 from kvstore.ring import FULL_RING_ROW, RING_SINKS, sink_query_positions

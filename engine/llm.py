@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from engine.llm_engine import LLMEngine, Prompt, RequestOutput
+from engine.llm_engine import LLMEngine, Prompt
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 

@@ -1,9 +1,11 @@
 """The engine loop: requests in, one scheduled step at a time, outputs out.
 
 A request's life: ``add_request`` validates it, tokenizes it and queues a
-``Sequence`` (WAITING). Each ``step`` asks the scheduler for a batch, runs it,
-appends the sampled tokens, checks stop conditions and frees the blocks of
-whatever finished. ``abort`` ends a request at once and frees its blocks.
+``Sequence`` (WAITING). Each ``step`` is the loop's one turn: schedule a batch
+(after the speculator's proposals, ``engine.speculative``), execute it, then
+process its outputs: keep a verify step's accepted run, append the sampled
+tokens (``engine.output_processor``, which says what ends a request) and free
+the blocks of whatever finished. ``abort`` ends a request at once and frees its blocks.
 Both workers drive an engine through exactly these three calls; what they do
 with KV outside this engine's pool (a prefill worker's hand-off, a decode
 worker's remote prefill) is their KV connector's business (``connect``,
@@ -20,15 +22,17 @@ from __future__ import annotations
 import itertools
 
 from engine.bundled import resolve_model
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.continuation import Continuation, check_continuation, resume
 from engine.kv_connector import TRANSFER_EXPIRED, ConnectorChain, KVConnector
+from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, StepError
 from engine.sampling_params import SamplingParams, check_token_ids
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
-from engine.speculative import SpeculativeConfig, Speculator
+from engine.speculative import build_speculator, keep_accepted
 from engine.tier_connector import build_tiers
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvstore import BlockManager
@@ -61,23 +65,14 @@ class LLMEngine:
         self.connector = self.tiers or KVConnector()
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.connector)  # fmt: skip
-        self.speculator = self._speculator(SpeculativeConfig.parse(self.config.speculative_config))
+        self.speculator = build_speculator(self.config, self.model_config, self.tokenizer, self.runner.num_blocks,
+                                           self.max_model_len)  # fmt: skip
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len, self.runner.model_ring)
         self._sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
-
-    def _speculator(self, config: SpeculativeConfig | None) -> Speculator | None:
-        if config is None:
-            return None
-        draft = None
-        if config.method == "draft":
-            from engine.draft_model import DraftProposer
-
-            draft = DraftProposer(config.model, config.num_speculative_tokens, self.config, self.model_config,
-                                  self.tokenizer, self.runner.num_blocks)  # fmt: skip
-        return Speculator(config, self.max_model_len, draft)
 
     def close(self) -> None:
         if self.tiers is not None:
@@ -252,6 +247,29 @@ class LLMEngine:
         return outputs
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Execute ``batch``, then process what it sampled: each sequence's new KV is counted and its full blocks
+        cached (of a verify step, the accepted run's only: ``keep_accepted``), and its tokens appended."""
+        sampled, failed = self._execute(batch)
+        outputs = []
+        for seq in failed:  # its KV may be incomplete there, or was read past the right to: keep nothing
+            self._finish(seq, TRANSFER_EXPIRED)
+            outputs.append(self.output_processor.output(seq, []))
+        accepted = self.speculator.accepted_in(batch.seqs, sampled) if self.speculator is not None else {}
+        for i, (seq, n, tokens) in enumerate(zip(batch.seqs, batch.num_new_tokens, sampled, strict=True)):
+            if seq.is_finished:
+                continue
+            if i in accepted:  # a verify step: its last token and its first accepted[i] proposals have right KV
+                tokens = keep_accepted(seq, n, tokens, accepted[i], self.block_manager)
+            else:
+                seq.num_computed_tokens += n
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if tokens:
+                outputs.append(self._append_tokens(seq, tokens))
+        return outputs
+
+    def _execute(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[Sequence]]:
+        """Run ``batch`` between the KV connector's loads and saves: (each sequence's sampled tokens, the
+        sequences whose KV the connector failed to save). ``StepError`` when any of it raises."""
         try:
             self.connector.start_loads(batch.admitted)
             sampled = self.runner.execute(batch)
@@ -260,93 +278,16 @@ class LLMEngine:
             for seq in batch.seqs:
                 seq.spec_token_ids.clear()
             raise StepError([seq.seq_id for seq in batch.seqs], err) from err
-        outputs = []
-        for seq in failed:  # its KV may be incomplete there, or was read past the right to: keep nothing
-            self.scheduler.finish(seq, TRANSFER_EXPIRED)
-            self._sequences.pop(seq.seq_id, None)
-            outputs.append(self._output(seq, []))
-        accepted = self._verify(batch.seqs, sampled)
-        for i, (seq, n, tokens) in enumerate(zip(batch.seqs, batch.num_new_tokens, sampled, strict=True)):
-            if seq.is_finished:
-                continue
-            if i in accepted:  # a verify step: its last token and its first a proposals have right KV
-                a = accepted[i]
-                tokens = tokens[: a + 1]
-                seq.num_computed_tokens += n - (len(seq.spec_token_ids) - a)
-                held = [*seq.token_ids, *tokens[:a]]  # (== its token ids once the run is appended)
-                seq.spec_token_ids.clear()
-                self.block_manager.truncate(seq.seq_id, len(held) + 1)  # the rejected proposals' blocks go
-                seq.block_table = self.block_manager.block_table_array(seq.seq_id)
-                self.block_manager.cache_full_blocks(seq.seq_id, held, seq.num_computed_tokens)
-            else:
-                seq.num_computed_tokens += n
-                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            if tokens:
-                outputs.append(self._append_tokens(seq, tokens))
-        return outputs
-
-    def _verify(self, seqs: list[Sequence], sampled: list[list[int]]) -> dict[int, int]:
-        """Batch index -> proposals kept, for each speculating sequence of the step (``engine.speculative``)."""
-        speculating = [i for i, seq in enumerate(seqs) if seq.spec_token_ids and not seq.is_finished]
-        if not speculating:
-            return {}
-        kept = self.speculator.verify([seqs[i] for i in speculating], [sampled[i] for i in speculating])
-        return dict(zip(speculating, kept, strict=True))
+        return sampled, failed
 
     def _append_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
-        """Append ``tokens`` one by one until one ends the request (a stop token or string, ``max_tokens``):
-        nothing after it is ever emitted."""
-        appended = []
-        for token in tokens:
-            seq.token_ids.append(token)
-            appended.append(token)
-            new_text = seq.detokenizer.add([token])
-            reason = self._check_stop(seq, token, new_text)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                self._sequences.pop(seq.seq_id, None)
-                break
-        return self._output(seq, appended)
+        """Append ``tokens`` (``OutputProcessor.append``), end the request when one of them ends it, and return
+        its output."""
+        appended, reason = self.output_processor.append(seq, tokens)
+        if reason is not None:
+            self._finish(seq, reason)
+        return self.output_processor.output(seq, appended)
 
-    def _check_stop(self, seq: Sequence, token: int, new_text: str) -> str | None:
-        params = seq.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if params.stop and new_text:
-            # only the tail can hold a new match: the new text plus the longest stop string before it
-            detok = seq.detokenizer
-            tail = detok.tail(len(new_text) + max(len(s) for s in params.stop))
-            hits = [i for s in params.stop if (i := tail.find(s)) != -1]
-            if hits:
-                detok.truncate(detok.num_chars - len(tail) + min(hits))
-                return "stop"
-        num_tokens = len(seq.token_ids)
-        if num_tokens - len(seq.prompt_token_ids) >= params.max_tokens:
-            return "length"
-        if num_tokens >= self.max_model_len and (seq.ring is None or seq.ring == self.runner.model_ring):
-            return "length"  # (a streaming sequence goes on: its ring holds the same blocks however long it runs)
-        return None
-
-    def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
-        detok = seq.detokenizer
-        # While running, hold back text that could still turn out to be the start of a stop string,
-        # so that the concatenated deltas always equal the final text.
-        stop, finished = seq.params.stop, seq.is_finished
-        holdback = max(map(len, stop)) - 1 if stop else 0
-        upto = detok.num_chars if finished else max(seq.num_emitted_chars, detok.num_chars - holdback)
-        new_text = detok.slice(seq.num_emitted_chars, upto)
-        seq.num_emitted_chars = upto
-        return RequestOutput(
-            request_id=seq.seq_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            new_token_ids=new_token_ids,
-            new_text=new_text,
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            num_preemptions=seq.num_preemptions,
-            num_cached_tokens=seq.num_cached_tokens,
-            num_external_tokens=seq.num_external_tokens,
-            num_output_tokens=len(seq.token_ids) - len(seq.prompt_token_ids),
-            _seq=seq,
-            _num_chars=detok.num_chars,
-        )
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self._sequences.pop(seq.seq_id, None)

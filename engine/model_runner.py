@@ -14,10 +14,12 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs, decode_buckets, decode_forward
 from engine.input_batch import PaddedDecodeInputs, StagingBuffer, stage_step
-from engine.loader import load_model
+from engine.memory import default_kv_bytes
+from engine.model_config import ModelConfig
+from engine.models.loader import load_model
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -47,7 +49,7 @@ class ModelRunner:
         )
         num_blocks = config.num_blocks
         if num_blocks is None:
-            budget = config.default_kv_bytes(self.device)
+            budget = default_kv_bytes(config, self.device)
             num_blocks = self.kv_spec.num_blocks_for_bytes(budget)
             if num_blocks < 1:
                 raise ValueError(

@@ -1,10 +1,7 @@
 """Speculative decoding: a cheap proposer guesses a sequence's next tokens, one target step scores them all, and
 the longest run the target agrees with is kept, plus the target's own next token.
 
-``speculative_config`` is spelled as vLLM spells it::
-
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    {"method": "draft", "model": DIR, "num_speculative_tokens": 4}
+Its options are ``engine.config.SpeculativeConfig`` (``speculative_config``, spelled as vLLM spells it).
 
 Verification. A speculating sequence brings its last token and its k proposals d1..dk to one step, which
 computes their KV like a prefill chunk and keeps the logits of all k+1 rows. Row j is sampled exactly as a
@@ -21,6 +18,10 @@ coupling accepts a little less often than Leviathan's min(1, p/q) would (at leas
 token, TV the total variation distance between the two distributions), in exchange for outputs that never
 depend on what was proposed.
 
+A step's life, as ``LLMEngine`` drives it: ``Speculator.propose`` before scheduling; after the step,
+``Speculator.accepted_in`` says how many proposals each sequence keeps, and ``keep_accepted`` counts only
+their KV as computed and gives the rejected proposals' blocks back to the pool in the same step.
+
 The off-switch (``AcceptanceTracker``): a sequence whose last ``WINDOW`` verify steps accepted on average
 fewer than ``MIN_MEAN_ACCEPTED`` tokens stops proposing for ``backoff`` decode steps, then tries again; each
 failure in a row doubles the backoff (up to ``MAX_BACKOFF``), and a window that pays resets it. A verify step
@@ -30,83 +31,24 @@ the back-off keeps rare.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from engine.draft_model import DraftProposer
+from engine.config import SpeculativeConfig
 
-MAX_SPECULATIVE_TOKENS = 16
-_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.draft_model import DraftProposer
+    from engine.model_config import ModelConfig
+    from engine.sequence import Sequence
+    from engine.tokenizer import Tokenizer
+    from kvstore import BlockManager
 
 WINDOW = 8  # verify steps a sequence's acceptance is judged over
 MIN_MEAN_ACCEPTED = 0.5  # tokens accepted per verify step, on average, below which speculating does not pay
 FIRST_BACKOFF, MAX_BACKOFF = 16, 512  # decode steps without proposals after a window that did not pay
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    method: Literal["ngram", "draft"]
-    num_speculative_tokens: int
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    model: str | None = None  # the draft model's directory (method "draft")
-
-    @classmethod
-    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
-        """From a dict or its JSON text (the worker flag's form); None or {} is off. ``ValueError`` naming the
-        field for an unknown key, method or bound."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value) if value.strip() else {}
-            except json.JSONDecodeError as err:
-                raise ValueError(f"speculative_config is not JSON: {err}") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a JSON object, e.g. "
-                             '{"method": "ngram", "num_speculative_tokens": 4}')  # fmt: skip
-        if not value:
-            return None
-        unknown = sorted(set(value) - _FIELDS)
-        if unknown:
-            raise ValueError(f"speculative_config.{unknown[0]} is not a field; the fields are {sorted(_FIELDS)}")
-        method = value.get("method")
-        if method not in ("ngram", "draft"):
-            raise ValueError(f"speculative_config.method={method!r} is not a method; use 'ngram' or 'draft'")
-        k = value.get("num_speculative_tokens")
-        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_config.num_speculative_tokens={k!r} must be an integer in "
-                             f"1..{MAX_SPECULATIVE_TOKENS}")  # fmt: skip
-        config = cls(method, k, **{name: value[name] for name in ("prompt_lookup_min", "prompt_lookup_max", "model")
-                                   if name in value})  # fmt: skip
-        if method == "ngram":
-            lo, hi = config.prompt_lookup_min, config.prompt_lookup_max
-            for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-                if not _is_int(n) or n < 1:
-                    raise ValueError(f"speculative_config.{name}={n!r} must be an integer of at least 1")
-            if lo > hi:
-                raise ValueError(f"speculative_config.prompt_lookup_min={lo} exceeds prompt_lookup_max={hi}")
-            if config.model is not None:
-                raise ValueError("speculative_config.model names a draft model: set method 'draft' to use one")
-        elif not isinstance(config.model, str) or not config.model:
-            raise ValueError("speculative_config.model: method 'draft' needs the draft model's directory")
-        return config
-
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
-        if self.method == "ngram":
-            out.update(prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)
-        else:
-            out["model"] = self.model
-        return out
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def ngram_proposal(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
@@ -218,6 +160,15 @@ class Speculator:
             seq.spec_token_ids = ngram_proposal(tokens, k, config.prompt_lookup_min,
                                                 config.prompt_lookup_max).tolist()  # fmt: skip
 
+    def accepted_in(self, seqs: list[Sequence], sampled: list[list[int]]) -> dict[int, int]:
+        """Batch index -> proposals kept, for each sequence of a step's batch that speculated and is still
+        running (``verify``)."""
+        speculating = [i for i, seq in enumerate(seqs) if seq.spec_token_ids and not seq.is_finished]
+        if not speculating:
+            return {}
+        kept = self.verify([seqs[i] for i in speculating], [sampled[i] for i in speculating])
+        return dict(zip(speculating, kept, strict=True))
+
     def verify(self, seqs: list, sampled: list[list[int]]) -> list[int]:
         """For speculating ``seqs`` and the target's tokens at each of their rows: how many proposals each
         keeps. Records the acceptance (stats, each sequence's tracker)."""
@@ -236,3 +187,33 @@ class Speculator:
         for seq, a in zip(seqs, accepted, strict=True):
             seq.spec_tracker.record(a)
         return accepted
+
+
+def build_speculator(config: EngineConfig, model_config: ModelConfig, tokenizer: Tokenizer | None,
+                     num_blocks: int, max_model_len: int) -> Speculator | None:  # fmt: skip
+    """The speculator ``config.speculative_config`` asks for (a draft model's with a pool of ``num_blocks``
+    blocks), or None."""
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    if spec is None:
+        return None
+    draft = None
+    if spec.method == "draft":
+        from engine.draft_model import DraftProposer
+
+        draft = DraftProposer(spec.model, spec.num_speculative_tokens, config, model_config, tokenizer, num_blocks)
+    return Speculator(spec, max_model_len, draft)
+
+
+def keep_accepted(seq: Sequence, num_new_tokens: int, tokens: list[int], num_accepted: int,
+                  block_manager: BlockManager) -> list[int]:  # fmt: skip
+    """After a verify step that computed ``num_new_tokens`` of ``seq`` (its last token and its proposals) and
+    sampled ``tokens``, keep its first ``num_accepted`` proposals: only their KV counts as computed, the
+    rejected proposals' blocks go back to the pool at once, and full blocks of kept tokens are cached. Returns
+    the tokens to append: the accepted run and the target's own token after it."""
+    seq.num_computed_tokens += num_new_tokens - (len(seq.spec_token_ids) - num_accepted)
+    held = [*seq.token_ids, *tokens[:num_accepted]]  # (== its token ids once the run is appended)
+    seq.spec_token_ids.clear()
+    block_manager.truncate(seq.seq_id, len(held) + 1)
+    seq.block_table = block_manager.block_table_array(seq.seq_id)
+    block_manager.cache_full_blocks(seq.seq_id, held, seq.num_computed_tokens)
+    return tokens[: num_accepted + 1]

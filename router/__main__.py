@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from cluster_state.registry import Registry
 from engine.bundled import resolve_model
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 from router.limits import FrontDoor, PublicInference, front_door_from_settings
 from router.routing import RoutingWeights

@@ -199,7 +199,7 @@ def _profiled_counts(engine, num_steps: int, device: torch.device, layers: list[
 
 @dataclass(frozen=True)
 class MoEShare:
-    """Per decode step of a mixture-of-experts model (``engine.moe``), in ms of wall time."""
+    """Per decode step of a mixture-of-experts model (``engine.models.moe``), in ms of wall time."""
 
     step_ms: float
     moe_ms: float  # in the MoE MLPs, all of them
@@ -216,7 +216,7 @@ def moe_routing_share(llm, batch_size: int, prompt_len: int, num_steps: int) -> 
     """Time ``num_steps`` decode steps of ``batch_size`` sequences, and inside them the MoE MLPs and their
     experts, by forward hooks that synchronise the device (so the step is slower than unobserved on a GPU)."""
     from engine import SamplingParams
-    from engine.moe import Experts, SparseMoE
+    from engine.models.moe import Experts, SparseMoE
 
     engine = llm.engine
     device = engine.runner.device

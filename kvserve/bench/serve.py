@@ -124,7 +124,7 @@ def _model_kv_spec(model: str):
     import torch
 
     from engine.bundled import resolve_model
-    from engine.config import ModelConfig
+    from engine.model_config import ModelConfig
     from kvstore import KVCacheSpec
 
     config = ModelConfig.from_dir(resolve_model(model))
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         args.backend = "nixl" if nixl_installed() else "grpc"
 
     from engine.bundled import resolve_model
-    from engine.config import ModelConfig
+    from engine.model_config import ModelConfig
 
     vocab = ModelConfig.from_dir(resolve_model(args.model)).vocab_size
     prompts = make_prompts(args.num_prompts, args.prompt_len, args.prompt_len, vocab, seed=1)

@@ -156,7 +156,7 @@ def bandwidth(model: str, device: str, batches: list[int], repeats: int = 5) -> 
     import torch
 
     from engine.bundled import resolve_model
-    from engine.config import ModelConfig
+    from engine.model_config import ModelConfig
     from kvstore import KVCache, KVCacheSpec
     from kvstore.host_tier import BlockCopier, HostTier
 

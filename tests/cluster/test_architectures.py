@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.bundled import SUPPORTED_ARCHITECTURES, resolve_model
-from engine.config import ModelConfig
-from engine.loader import load_model
+from engine.model_config import ModelConfig
+from engine.models.loader import load_model
 
 VOCAB, BLOCK, NEW_TOKENS = 512, 4, 12
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,

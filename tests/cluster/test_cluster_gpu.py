@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import kv_cache_budget
+from engine.memory import kv_cache_budget
 from kvserve.launcher.plan import gpu_memory_shares
 
 GIB = 1 << 30

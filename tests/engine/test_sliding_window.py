@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from kvserve.testing.random_model import write_random_model
 from kvstore.ring import RingSpec
 

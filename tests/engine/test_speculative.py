@@ -20,12 +20,11 @@ from hypothesis import strategies as st
 
 from decode_service.settings import DecodeSettings
 from engine import LLM, SamplingParams
+from engine.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from engine.speculative import (
     FIRST_BACKOFF,
-    MAX_SPECULATIVE_TOKENS,
     WINDOW,
     AcceptanceTracker,
-    SpeculativeConfig,
     accepted_lengths,
     ngram_proposal,
 )

@@ -14,7 +14,7 @@ import pytest
 from service_utils import TEST_SECURITY, InProcessServer
 from waiting import wait_until
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 from kvserve.client import Client
 from router.server import Router

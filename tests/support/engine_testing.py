@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.models.attention import AttentionMetadata
 from kvstore import KVCache, token_slots
 
 NUM_NEW_TOKENS = 32

@@ -7,7 +7,7 @@ from service_utils import TEST_SECURITY, InProcessServer
 from cluster_state.registry import Registry
 from decode_service.worker import DecodeWorker
 from engine import LLMEngine
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 from router.server import Router
 from rpc.loop import AsyncioThread

@@ -90,7 +90,7 @@ def test_the_engine_core_names_no_destination_lease_or_transport():
     words = re.compile(r"\b(destination|dest|lease|transport|shm|cuda_ipc|grpc|nixl)", re.IGNORECASE)
     named = [
         f"{path.name}: {match}"
-        for path in sorted((ROOT / "engine").glob("*.py"))
+        for path in sorted((ROOT / "engine").rglob("*.py"))
         if path.name != "kv_connector.py"
         for match in words.findall(path.read_text())
     ]

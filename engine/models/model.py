@@ -5,13 +5,13 @@ gated MLP, each behind an RMSNorm with a residual around it); what sets them apa
 pieces, each a config switch here rather than a file per family, so that the one forward pass the kernels,
 the KV pool and the CUDA graphs are written for stays in one place:
 
-* q/k/v biases (Qwen2), tied embeddings, scaled RoPE (``engine.rotary``);
+* q/k/v biases (Qwen2), tied embeddings, scaled RoPE (``engine.models.rotary``);
 * an RMSNorm over each head of q and k before rotary (Qwen3, Qwen3-MoE, Gemma 3);
 * Gemma 3: embeddings times sqrt(hidden), norms of weight ``1 + w`` (the loader adds the 1), "sandwich"
   norms on the attention and MLP outputs, a GELU-tanh MLP, its own attention scale, and local layers
   that attend over a sliding window with their own RoPE base, five for every global one;
 * partial rotary and LongRoPE (Phi-3, Phi-4-mini), whose checkpoints hold q/k/v and gate/up fused already;
-* a mixture of experts in place of the MLP (Qwen3-MoE: ``engine.moe``).
+* a mixture of experts in place of the MLP (Qwen3-MoE: ``engine.models.moe``).
 
 Every forward pass works on a flat, unpadded batch of tokens from many
 sequences; ``AttentionMetadata`` tells attention which rows belong together.
@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from engine.attention import AttentionMetadata, paged_attention
-from engine.config import ModelConfig
-from engine.moe import SparseMoE
-from engine.rotary import rotary_embeddings
+from engine.model_config import ModelConfig
+from engine.models.attention import AttentionMetadata, paged_attention
+from engine.models.moe import SparseMoE
+from engine.models.rotary import rotary_embeddings
 from kvstore import LayerKV
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import kernels
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
-from engine.model import CausalLM
-from engine.rotary import rotary_embeddings
+from engine.model_config import ModelConfig
+from engine.models.model import CausalLM
+from engine.models.rotary import rotary_embeddings
 
 # a checkpoint tensor that fills part of a fused parameter: its name's pattern (groups: module, expert or "",
 # part) -> the parameter's name

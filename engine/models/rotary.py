@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 
 
 def rope_inv_freq(dim: int, theta: float, scaling: dict | None, long: bool = False) -> torch.Tensor:
