@@ -65,6 +65,14 @@ def _cycles(graph: dict[str, dict[str, list[str]]]) -> list[list[str]]:
     return found
 
 
+def test_the_levels_are_the_readmes():
+    """The README's table ("Where things are") is the one this test enforces: a level changed in one place only
+    fails here."""
+    rows = re.findall(r"^\| (\d+) \| (.+?) \|", (ROOT / "README.md").read_text(), re.MULTILINE)
+    documented = {name: int(level) for level, names in rows for name in re.findall(r"`(\w+)/`", names)}
+    assert documented == LEVELS
+
+
 def test_no_package_imports_one_above_it():
     upward = [f"{file} imports {imported}" for package, imports in _package_imports().items()
               for imported, files in imports.items() if LEVELS[imported] > LEVELS[package]
