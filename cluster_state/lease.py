@@ -60,6 +60,12 @@ END_PURPOSE = "lease-end"
 # again: ``success`` (all blocks written) or ``failed`` (stopped, or never started).
 LEASE_STATES = ("pending", "success", "failed")
 FINAL_STATES = LEASE_STATES[1:]
+# The holder deletes a lease's record only while it names the writer it gave it to (a retry may have replaced it).
+# KEYS: the record. ARGV: the writer's (prefill worker's) id.
+DELETE_IF_WRITER_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'prefill_id') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 # Reads and writes stop this long before the lease's expiry, so that the answer (checksummed) can still reach
 # the decode worker in time; one layer's store is far shorter, and the decode worker's grace covers it anyway.
 WRITE_MARGIN_S = 0.1

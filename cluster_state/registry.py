@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cluster_state.heartbeat import HEARTBEAT_SCRIPT, Heartbeat
-from cluster_state.lease import LeaseRecord, end_signature
+from cluster_state.lease import DELETE_IF_WRITER_SCRIPT, LeaseRecord, end_signature
 from cluster_state.prefix_index import PrefixIndex
 from cluster_state.redis_link import RedisLink
 from cluster_state.worker_reader import WorkerReader
@@ -55,11 +55,6 @@ _UPDATE_IF_EXISTS_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
-"""
-
-_DELETE_IF_HOLDER_SCRIPT = """
-if redis.call('HGET', KEYS[1], 'prefill_id') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
 """
 
 
@@ -101,7 +96,7 @@ class Registry:
         self.prefix_index = PrefixIndex(self._link)
         self._heartbeat_script = self._redis.register_script(HEARTBEAT_SCRIPT)
         self._update_if_exists = self._redis.register_script(_UPDATE_IF_EXISTS_SCRIPT)
-        self._delete_if_holder = self._redis.register_script(_DELETE_IF_HOLDER_SCRIPT)
+        self._delete_if_holder = self._redis.register_script(DELETE_IF_WRITER_SCRIPT)
         self._state_lock = threading.Lock()
         self._own: WorkerInfo | None = None
         self._last_workers: list[WorkerInfo] = []
@@ -119,19 +114,8 @@ class Registry:
         """Write ``info`` whole and signed (replacing any old hash), start its TTL, remember it as our worker."""
         with self._state_lock:
             self._own = info
-        key = _worker_key(info.worker_id)
         fields = info.to_redis(self._security)
-
-        def write() -> bool:
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.delete(key)
-            pipe.hset(key, mapping=fields)
-            pipe.pexpire(key, _ttl_ms(self.ttl_s))
-            pipe.sadd(WORKERS_KEY, info.worker_id)
-            pipe.execute()
-            return True
-
-        return self._link.call("register", write, False)
+        return self._replace("register", _worker_key(info.worker_id), fields, self.ttl_s, info.worker_id)
 
     def heartbeat(self, worker_id: str, **load_fields: int) -> bool:
         """Update load fields (any of ``LOAD_FIELDS``) and refresh the TTL of this registry's worker; the whole
@@ -217,13 +201,9 @@ class Registry:
         if self._heartbeat is not None:
             raise RuntimeError("the heartbeat thread is already running")
         name = f"kvserve-heartbeat-{self._own.worker_id}"
-        self._heartbeat = Heartbeat(lambda: self._beat_own(info_fn), self._register_own_again, self._link, on_resync,
-                                    interval_s, name)  # fmt: skip
+        beat = lambda: None if (own := self._own) is None else self.heartbeat(own.worker_id, **info_fn())  # noqa: E731
+        self._heartbeat = Heartbeat(beat, self._register_own_again, self._link, on_resync, interval_s, name)
         self._heartbeat.start()
-
-    def _beat_own(self, info_fn: Callable[[], Mapping[str, int]]) -> bool | None:
-        own = self._own
-        return None if own is None else self.heartbeat(own.worker_id, **info_fn())
 
     def _register_own_again(self) -> bool:
         own = self._own  # heartbeat() folded the latest load into it
@@ -249,18 +229,8 @@ class Registry:
         """The holder ``decode_id`` records (or replaces) its lease for ``request_id``: ``pending``, for ``ttl_s``."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
-        key = _lease_key(request_id)
         fields = LeaseRecord(request_id, decode_id, prefill_id, list(block_ids)).to_redis(self._security)
-
-        def write() -> bool:
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.delete(key)
-            pipe.hset(key, mapping=fields)
-            pipe.pexpire(key, _ttl_ms(ttl_s))
-            pipe.execute()
-            return True
-
-        return self._link.call("put_lease", write, False)
+        return self._replace("put_lease", _lease_key(request_id), fields, ttl_s)
 
     def get_lease(self, request_id: str) -> LeaseRecord | None:
         """The lease's record; None when it expired, was deleted, never existed, does not verify, or Redis is down."""
@@ -297,6 +267,22 @@ class Registry:
                     if holder == prefill_id and state == "pending"]  # fmt: skip
 
         return sum(self.end_lease(rid, prefill_id, "failed") for rid in self._link.call("end_leases_of", pending, []))
+
+    def _replace(self, what: str, key: str, fields: dict[str, str], ttl_s: float, worker_id: str | None = None) -> bool:
+        """Write ``fields`` as the whole hash ``key`` (replacing an old one) with a TTL of ``ttl_s``, and add
+        ``worker_id`` to the workers' set, in one transaction; False while Redis is down."""
+
+        def write() -> bool:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.delete(key)
+            pipe.hset(key, mapping=fields)
+            pipe.pexpire(key, _ttl_ms(ttl_s))
+            if worker_id is not None:
+                pipe.sadd(WORKERS_KEY, worker_id)
+            pipe.execute()
+            return True
+
+        return self._link.call(what, write, False)
 
     def delete_lease(self, request_id: str, prefill_id: str | None = None) -> None:
         """The holder deletes the lease's record; with ``prefill_id``, only while it names that writer (a retry
