@@ -1,10 +1,12 @@
 """Two NIXL agents in this process (NIXL allows it; UCX moves DRAM between them as between hosts): a decode
 pool and a prefill worker's transport. Run by tests/cluster/test_transfer_nixl.py in a process of its own (see there);
-prints ``<check>: ok`` per check and exits non-zero at the first failed one."""
+writes each passed check's name to the file named by its argument (NIXL's threads log to stdout) and exits
+non-zero at the first failed one."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import torch
@@ -98,6 +100,8 @@ def idle() -> None:
 
 
 if __name__ == "__main__":
-    for check in (write, metadata, idle):
-        check()
-        print(f"{check.__name__}: ok", flush=True)
+    with open(sys.argv[1], "w") as passed:
+        for check in (write, metadata, idle):
+            check()
+            passed.write(check.__name__ + "\n")
+            passed.flush()
