@@ -76,6 +76,8 @@ class RemotePrefillConnector(KVConnector):
         req: ActiveRequest | None = seq.kv_params
         if req is None or req.state is not S.QUEUED:
             return 0, False  # already prefilled once (a preempted request is recomputed here)
+        if seq.params.logprobs is not None:
+            return 0, False  # a prefill worker's reply carries no log-probabilities yet: compute it here
         req.target = self.prefills.pick(req.tried, req.preferred_prefill)
         # what we hold: our prefix cache's hit plus what a connector before us (a memory tier) loads
         req.num_cached_tokens = num_cached_tokens

@@ -30,6 +30,7 @@ from engine import Continuation, LLMEngine, RequestOutput, SamplingParams
 from engine.continuation import check_continuation
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from rpc import metrics
+from rpc.convert import logprobs_to_proto
 from rpc.validation import validate_request_id, validate_sampling
 from transfer.backend import LOCAL
 
@@ -117,7 +118,8 @@ class ActiveRequest:
     def response(self, out: RequestOutput, worker_id: str) -> pb.GenerateResponse:
         """The stream message for ``out``; the last one carries usage, timings and who served the request."""
         now = time.perf_counter()
-        if self.first_token_at is None:
+        first = self.first_token_at is None
+        if first:
             self.first_token_at = now
             metrics.TTFT.observe(now - self.received)
             self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)  # ours, or a local prefill's
@@ -129,6 +131,11 @@ class ActiveRequest:
                 metrics.ITL.observe(gap)
         self.last_token_at = now
         msg = pb.GenerateResponse(request_id=self.public_id, token_ids=out.new_token_ids, text=out.new_text)
+        if out.new_logprobs is not None:
+            msg.logprobs.extend(logprobs_to_proto(out.new_logprobs))
+        if first and out.prompt_logprobs is not None and self.continuation is None:  # (a continuation's went)
+            msg.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs[1:]))
+            msg.prompt_token_ids.extend(out.prompt_token_ids)
         if out.finished:
             msg.finish_reason = out.finish_reason or ""
             msg.usage.prompt_tokens = len(self.prompt)

@@ -41,4 +41,5 @@ def resume(seq: Sequence, continuation: Continuation) -> None:
     for token in continuation.output_token_ids:
         seq.detokenizer.add([token])
     seq.token_ids.extend(continuation.output_token_ids)
+    seq.logprobs.extend([None] * len(continuation.output_token_ids))  # the client has those already
     seq.num_emitted_chars = min(continuation.num_emitted_chars, seq.detokenizer.num_chars)

@@ -58,7 +58,7 @@ class DraftProposer:
                               block_size=target.block_size, num_blocks=num_blocks, enforce_eager=True,
                               max_num_seqs=target.max_num_seqs, max_num_batched_tokens=target.max_num_batched_tokens,
                               skip_tokenizer_init=True, seed=target.seed)  # fmt: skip
-        self.runner = ModelRunner(path, draft_config, config)
+        self.runner = ModelRunner(path, draft_config, config, scores=False)
         self.block_manager = BlockManager(self.runner.num_blocks, target.block_size)
         self.k = k
         self.budget = target.max_num_batched_tokens  # catch-up tokens per step, all sequences together
@@ -97,7 +97,7 @@ class DraftProposer:
             ordered = sorted(range(len(seqs)), key=lambda i: counts[i] != 1)  # decodes first, as the runner wants
             batch = ScheduledBatch([seqs[i] for i in ordered], [counts[i] for i in ordered],
                                    sum(counts[i] == 1 for i in ordered))  # fmt: skip
-            sampled = self.runner.execute(batch)
+            sampled = self.runner.execute(batch).tokens
             for own, n, tokens in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
                 own.num_computed_tokens += n
                 own.token_ids.extend(tokens)

@@ -26,7 +26,8 @@ from engine.config import EngineConfig
 from engine.continuation import Continuation, check_continuation, resume
 from engine.kv_connector import TRANSFER_EXPIRED, ConnectorChain, KVConnector
 from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
+from engine.logprobs import TokenLogprob
+from engine.model_runner import ExecutedStep, ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, StepError
 from engine.sampling_params import SamplingParams, check_token_ids
@@ -48,7 +49,10 @@ class LLMEngine:
         path = resolve_model(self.config.model)
         self.model_config = ModelConfig.from_dir(path)
         self.tokenizer = None if self.config.skip_tokenizer_init else Tokenizer(path)
-        self.runner = ModelRunner(path, self.model_config, self.config)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.runner = ModelRunner(path, self.model_config, self.config, frozenset(self.eos_token_ids))
         block_size = self.config.block_size
         if self.config.max_model_len and self.config.max_model_len > self.model_config.max_context:
             raise ValueError(
@@ -67,9 +71,6 @@ class LLMEngine:
                                    self.connector)  # fmt: skip
         self.speculator = build_speculator(self.config, self.model_config, self.tokenizer, self.runner.num_blocks,
                                            self.max_model_len)  # fmt: skip
-        self.eos_token_ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len, self.runner.model_ring)
         self._sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -249,25 +250,26 @@ class LLMEngine:
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Execute ``batch``, then process what it sampled: each sequence's new KV is counted and its full blocks
         cached (of a verify step, the accepted run's only: ``keep_accepted``), and its tokens appended."""
-        sampled, failed = self._execute(batch)
+        step, failed = self._execute(batch)
         outputs = []
         for seq in failed:  # its KV may be incomplete there, or was read past the right to: keep nothing
             self._finish(seq, TRANSFER_EXPIRED)
             outputs.append(self.output_processor.output(seq, []))
-        accepted = self.speculator.accepted_in(batch.seqs, sampled) if self.speculator is not None else {}
-        for i, (seq, n, tokens) in enumerate(zip(batch.seqs, batch.num_new_tokens, sampled, strict=True)):
+        accepted = self.speculator.accepted_in(batch.seqs, step.tokens) if self.speculator is not None else {}
+        for i, (seq, n, tokens) in enumerate(zip(batch.seqs, batch.num_new_tokens, step.tokens, strict=True)):
             if seq.is_finished:
                 continue
+            seq.prompt_logprobs.extend(step.prompt_logprobs.get(i, ()))
             if i in accepted:  # a verify step: its last token and its first accepted[i] proposals have right KV
                 tokens = keep_accepted(seq, n, tokens, accepted[i], self.block_manager)
             else:
                 seq.num_computed_tokens += n
                 self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if tokens:
-                outputs.append(self._append_tokens(seq, tokens))
+                outputs.append(self._append_tokens(seq, tokens, step.logprobs[i]))
         return outputs
 
-    def _execute(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[Sequence]]:
+    def _execute(self, batch: ScheduledBatch) -> tuple[ExecutedStep, list[Sequence]]:
         """Run ``batch`` between the KV connector's loads and saves: (each sequence's sampled tokens, the
         sequences whose KV the connector failed to save). ``StepError`` when any of it raises."""
         try:
@@ -280,10 +282,11 @@ class LLMEngine:
             raise StepError([seq.seq_id for seq in batch.seqs], err) from err
         return sampled, failed
 
-    def _append_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
-        """Append ``tokens`` (``OutputProcessor.append``), end the request when one of them ends it, and return
-        its output."""
-        appended, reason = self.output_processor.append(seq, tokens)
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None
+                       ) -> RequestOutput:  # fmt: skip
+        """Append ``tokens`` and their ``logprobs`` (``OutputProcessor.append``), end the request when one of
+        them ends it, and return its output."""
+        appended, reason = self.output_processor.append(seq, tokens, logprobs)
         if reason is not None:
             self._finish(seq, reason)
         return self.output_processor.output(seq, appended)

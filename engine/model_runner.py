@@ -10,17 +10,20 @@ batch; ``enforce_eager`` runs every step that way.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs, decode_buckets, decode_forward
 from engine.input_batch import PaddedDecodeInputs, StagingBuffer, stage_step
+from engine.logprobs import TokenLogprob, prompt_logprobs
 from engine.memory import default_kv_bytes
 from engine.model_config import ModelConfig
 from engine.models.loader import load_model
-from engine.sampler import Sampler
+from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from kvstore import KVCache, KVCacheSpec
@@ -30,10 +33,23 @@ from kvstore.shared_pool import create_shared_pool
 _INITIAL_STAGING_BYTES = 1 << 20  # grows on demand
 
 
-class ModelRunner:
-    """Owns the model weights and the KV pool on one device."""
+@dataclass
+class ExecutedStep:
+    """What a step computed: ``tokens[i]``, the tokens sampled for batch index i (``execute``);
+    ``logprobs[i]``, theirs (None where the request asked for none); ``prompt_logprobs[i]``, those of the
+    prompt tokens whose positions this step computed, for the requests that asked (``engine.logprobs``)."""
 
-    def __init__(self, model_path: Path, model_config: ModelConfig, config: EngineConfig) -> None:
+    tokens: list[list[int]]
+    logprobs: list[list[TokenLogprob] | None]
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    """Owns the model weights and the KV pool on one device. ``scores`` false (a draft model) computes no
+    log-probabilities, whatever the requests ask."""
+
+    def __init__(self, model_path: Path, model_config: ModelConfig, config: EngineConfig,
+                 eos_token_ids: frozenset[int] = frozenset(), scores: bool = True) -> None:  # fmt: skip
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
         self.model_config = model_config
@@ -60,7 +76,8 @@ class ModelRunner:
             self.kv_cache, self.kv_pool_path = create_shared_pool(self.kv_spec, num_blocks, config.shared_kv_name)
         else:
             self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
-        self.sampler = Sampler(model_config.vocab_size, self.device, config.seed)
+        self.sampler = Sampler(model_config.vocab_size, self.device, config.seed, eos_token_ids)
+        self.scores = scores
         # The longest sequence the engine admits: the model's context or the config's cap, and within the pool,
         # since a sequence must fit in it on its own or preemption could never make room for it (a model that
         # slides in every layer holds a ring of blocks whatever the length: see ``model_ring``).
@@ -95,37 +112,57 @@ class ModelRunner:
         return self.kv_cache.num_blocks
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[list[int]]:
-        """Run one step; return the sampled tokens of each sequence that reached its end ([] for the others):
-        one token, or for a speculating sequence the target's token at its last token and at each proposal
+    def execute(self, batch: ScheduledBatch) -> ExecutedStep:
+        """Run one step; sample for each sequence that reached its end (none for the others): one token, or
+        for a speculating sequence the target's token at its last token and at each proposal
         (``engine.speculative`` verifies them)."""
         seqs = batch.seqs
-        decoded = self._decode_padded(seqs) if batch.num_decodes == len(seqs) else None
+        scoring = [i for i, s in enumerate(seqs) if s.wants_prompt_logprobs] if self.scores else []
+        decoded = self._decode_padded(seqs) if batch.num_decodes == len(seqs) and not scoring else None
+        prompt: dict[int, list[TokenLogprob]] = {}
         if decoded is not None:
             logits, sampled = decoded
             counts = None
         else:
             step = stage_step(self.staging, seqs, batch.num_new_tokens, batch.num_decodes, self.block_size)
             hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.meta)
+            if scoring:
+                prompt = self._score_prompts(hidden, seqs, batch.num_new_tokens, scoring)
             sampled = step.sampled
             logits = self.model.compute_logits(hidden[step.logit_rows]) if sampled else None
             counts = step.logit_counts if len(step.logit_counts) < step.logit_rows.shape[0] else None
-        out: list[list[int]] = [[] for _ in seqs]
+        out = ExecutedStep([[] for _ in seqs], [None] * len(seqs), prompt)
         if not sampled:
             return out
-        if counts is None:  # one row per sampled sequence
-            for i, token in zip(sampled, self._sample(logits, [seqs[i] for i in sampled]), strict=True):
-                out[i] = [token]
-            return out
+        counts = counts or [1] * len(sampled)
         # a verify step: row j of a speculating sequence samples the token after its first j proposals
         rows = [(seqs[i], j) for i, n in zip(sampled, counts, strict=True) for j in range(n)]
-        tokens = self._sample(logits, [seq for seq, _ in rows], [seq.num_tokens + j for seq, j in rows],
-                              [seq.spec_token_ids[:j] for seq, j in rows])  # fmt: skip
+        verifying = len(rows) > len(sampled)
+        tokens, logprobs = self._sample(
+            logits, [seq for seq, _ in rows], [seq.num_tokens + j for seq, j in rows] if verifying else None,
+            [seq.spec_token_ids[:j] for seq, j in rows] if verifying else None)  # fmt: skip
         start = 0
         for i, n in zip(sampled, counts, strict=True):
-            out[i] = tokens[start : start + n]
+            out.tokens[i] = tokens[start : start + n]
+            if logprobs is not None and seqs[i].params.logprobs is not None:
+                out.logprobs[i] = logprobs[start : start + n]
             start += n
         return out
+
+    def _score_prompts(self, hidden: torch.Tensor, seqs: list[Sequence], num_new_tokens: list[int],
+                       scoring: list[int]) -> dict[int, list[TokenLogprob]]:  # fmt: skip
+        """The prompt log-probabilities this step's positions give (``hidden``, a packed step's hidden states):
+        position p of a sequence scores its prompt token p + 1, from its first unscored one on."""
+        firsts = np.cumsum([0, *num_new_tokens])
+        scored = {}
+        for i in scoring:
+            seq = seqs[i]
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens[i]
+            positions = range(max(start, len(seq.prompt_logprobs) - 1), min(end, seq.num_prompt_tokens - 1))
+            rows = torch.arange(positions.start, positions.stop, device=hidden.device) + int(firsts[i] - start)
+            targets = seq.token_ids[positions.start + 1 : positions.stop + 1]
+            scored[i] = prompt_logprobs(self.model.compute_logits, hidden[rows], targets, seq.params.prompt_logprobs)
+        return scored
 
     def _decode_padded(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
         """(logits of the sampling rows, their batch indices) of a decode-only batch padded to its bucket;
@@ -149,17 +186,20 @@ class ModelRunner:
         return logits[torch.tensor(sampled, dtype=torch.int64, device=self.device)], sampled
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int] | None = None,
-                seen_after: list[list[int]] | None = None) -> list[int]:  # fmt: skip
+                seen_after: list[list[int]] | None = None) -> tuple[list[int], list[TokenLogprob] | None]:  # fmt: skip
         """Sample on the device (``Sampler``), then read the tokens back in one copy (into pinned memory on
-        CUDA)."""
-        tokens = self.sampler(logits, seqs, positions, seen_after)
+        CUDA), and their log-probabilities where a row asked."""
+        drawn: SamplerOutput = self.sampler(logits, seqs, positions, seen_after)
         if self._tokens_host.shape[0] < len(seqs):  # a batch wider than max_num_seqs: grow (never expected)
             self._tokens_host = self._pinned_tokens(2 * len(seqs))
         host = self._tokens_host[: len(seqs)]
-        host.copy_(tokens, non_blocking=True)
+        host.copy_(drawn.tokens, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        return host.tolist()
+        tokens = host.tolist()
+        if drawn.logprobs is None or not self.scores:
+            return tokens, None
+        return tokens, drawn.logprobs.to_host(tokens, [s.params.logprobs or 0 for s in seqs])
 
     def _pinned_tokens(self, size: int) -> torch.Tensor:
         return torch.empty(size, dtype=torch.int64, pin_memory=self.device.type == "cuda")

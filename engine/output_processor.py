@@ -17,6 +17,7 @@ before asking for its output, which then reads finished.
 
 from __future__ import annotations
 
+from engine.logprobs import TokenLogprob
 from engine.outputs import RequestOutput
 from engine.sequence import Sequence
 from kvstore.ring import RingSpec
@@ -30,11 +31,17 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.model_ring = model_ring  # the model's own sliding window, which max_model_len still bounds
 
-    def append(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
-        """Append ``tokens`` one by one until one ends the request: (the tokens appended, the reason it
-        finished or None)."""
+    def append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None
+               ) -> tuple[list[int], str | None]:  # fmt: skip
+        """Append ``tokens`` (and, where the request asked, their ``logprobs``) one by one until one ends the
+        request: (the tokens appended, the reason it finished or None). A request with ``max_tokens=0`` only
+        scored its prompt: it ends before its first token."""
+        if seq.params.max_tokens == 0:
+            return [], "length"
         appended = []
-        for token in tokens:
+        for i, token in enumerate(tokens):
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(None if logprobs is None else logprobs[i])
             seq.token_ids.append(token)
             appended.append(token)
             new_text = seq.detokenizer.add([token])
@@ -84,6 +91,8 @@ class OutputProcessor:
             num_cached_tokens=seq.num_cached_tokens,
             num_external_tokens=seq.num_external_tokens,
             num_output_tokens=len(seq.token_ids) - len(seq.prompt_token_ids),
+            new_logprobs=seq.logprobs[len(seq.logprobs) - len(new_token_ids) :] if seq.params.logprobs is not None
+            else None,
             _seq=seq,
             _num_chars=detok.num_chars,
         )

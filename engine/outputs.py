@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.logprobs import TokenLogprob
 from engine.sequence import Sequence
 
 
@@ -26,6 +27,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_external_tokens: int = 0  # tokens whose KV the KV connector loaded from outside (first admission)
     num_output_tokens: int = 0
+    new_logprobs: list[TokenLogprob | None] | None = None  # of new_token_ids, when the request asked
     _seq: Sequence | None = field(default=None, repr=False, compare=False)
     _num_chars: int = 0
 
@@ -33,6 +35,22 @@ class RequestOutput:
     def token_ids(self) -> list[int]:
         start = len(self.prompt_token_ids)
         return self._seq.token_ids[start : start + self.num_output_tokens]
+
+    @property
+    def logprobs(self) -> list[TokenLogprob | None] | None:
+        """Of ``token_ids``, when the request asked for ``logprobs`` (None for tokens another worker sent
+        before a continuation)."""
+        if self._seq.params.logprobs is None:
+            return None
+        return self._seq.logprobs[: self.num_output_tokens]
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """Of the prompt's tokens (None for the first), when the request asked for ``prompt_logprobs``: all of
+        them once the prompt has been computed, and every output has them from then on."""
+        if self._seq.params.prompt_logprobs is None:
+            return None
+        return list(self._seq.prompt_logprobs)
 
     @property
     def text(self) -> str:

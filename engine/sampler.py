@@ -1,11 +1,13 @@
 """Choose each sequence's next token from its logits row, the whole batch at once on the device.
 
-One step: greedy rows without a repetition penalty take one argmax (the all-greedy batch does nothing else).
-Otherwise the per-row settings travel to the device as one packed int64 array, the penalty rows are
-penalized, and the sampling rows are scaled by their temperature, filtered (top-k, then the top-p nucleus,
-with one batched sort shared by every row when any row asks for a filter) and drawn by the Gumbel-max trick
-(``kernels.gumbel_argmax``: one fused pass over the logits on a GPU, its noise made in registers).
-Nothing here waits for the device: the caller makes the one device-to-host copy of the token ids.
+One step: greedy rows without logits processing take one argmax (the all-greedy batch does nothing else).
+Otherwise the per-row settings travel to the device as one packed int64 array, the rows that ask for it are
+processed (``engine.logits_processors``: bias, ``min_tokens``, penalties), and the sampling rows are scaled
+by their temperature, filtered (min-p, top-k, then the top-p nucleus, with one batched sort shared by every
+row when any row asks for a filter) and drawn by the Gumbel-max trick (``kernels.gumbel_argmax``: one fused
+pass over the logits on a GPU, its noise made in registers). Rows that ask for log-probabilities get them
+from the unprocessed logits (``engine.logprobs``). Nothing here waits for the device: the caller makes the
+device-to-host copies.
 
 Randomness is counter-based. The noise for token ``t`` of a row is a hash of (the request's stream seed, the
 position it samples, ``t``), splitmix64 as ``kernels.reference.uniform_noise`` defines it, so a row's draw never
@@ -17,10 +19,9 @@ reproducible too.
 
 from __future__ import annotations
 
-import itertools
 import random
-import weakref
 from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -28,6 +29,8 @@ import torch
 
 import kernels
 from engine.input_batch import StagingBuffer
+from engine.logits_processors import LogitsProcessors
+from engine.logprobs import LogprobTensors
 from engine.sampling_params import SamplingParams
 
 _MOD64 = 1 << 64
@@ -43,69 +46,31 @@ class SampledSequence(Protocol):
 
     params: SamplingParams
     token_ids: list[int]
+    prompt_token_ids: list[int]
     sampling_seed: int
 
     @property
     def num_tokens(self) -> int: ...
 
 
-class _SeenTokens:
-    """The tokens each penalized sequence has seen so far (prompt and output), as rows of a device bool table.
+@dataclass
+class SamplerOutput:
+    """A step's draws: ``tokens (rows,)`` int64 on the device, and their ``logprobs`` when a row asked."""
 
-    A sequence gets a row the first time it is penalized and keeps it for its life; each step adds only the
-    tokens appended since the last (token ids are only ever appended, preemption included). A row returns to
-    the free list when its sequence is garbage-collected and is cleared when it is handed out again.
-    Invariant: ``table[slot, t]`` is True iff token ``t`` is among the first ``num_recorded`` tokens of the
-    sequence holding ``slot``.
-    """
-
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.table = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
-        self._rows: weakref.WeakKeyDictionary[SampledSequence, list[int]] = weakref.WeakKeyDictionary()
-        self._free: list[int] = []
-
-    def plan(self, seqs: list[SampledSequence]) -> tuple[list[int], list[int], list[int], list[int]]:
-        """Slots for ``seqs`` and the host side of this step's update: (slots, slots to clear, then the
-        (slot, token) pairs to set). Grows the table when every row is taken."""
-        slots, cleared, pair_slots, pair_tokens = [], [], [], []
-        for seq in seqs:
-            row = self._rows.get(seq)
-            if row is None:
-                slot = self._free.pop() if self._free else self._grow()
-                row = self._rows[seq] = [slot, 0]
-                weakref.finalize(seq, self._free.append, slot)
-                cleared.append(slot)
-            slot, num_recorded = row
-            new = seq.token_ids[num_recorded:]
-            pair_slots.extend([slot] * len(new))
-            pair_tokens.extend(new)
-            row[1] = num_recorded + len(new)
-            slots.append(slot)
-        return slots, cleared, pair_slots, pair_tokens
-
-    def update(self, cleared: torch.Tensor, pair_slots: torch.Tensor, pair_tokens: torch.Tensor) -> None:
-        """The device side of ``plan``, with its lists as int64 tensors. (A step that fails between the two
-        leaves its sequences' rows stale; the engine aborts the sequences of a failed step.)"""
-        self.table.index_fill_(0, cleared, False)
-        self.table[pair_slots, pair_tokens] = True
-
-    def _grow(self) -> int:
-        old = self.table.shape[0]
-        table = torch.zeros((max(2 * old, 8), self.table.shape[1]), dtype=torch.bool, device=self.table.device)
-        table[:old] = self.table
-        self.table = table
-        self._free.extend(range(table.shape[0] - 1, old, -1))  # hand out low slots first
-        return old
+    tokens: torch.Tensor
+    logprobs: LogprobTensors | None = None
 
 
 class Sampler:
-    """One token per row of a step's logits, for any mix of greedy, temperature, top-k, top-p, repetition
-    penalty and seeds, without a host sync. ``seed`` seeds the stream seeds of requests that bring none."""
+    """One token per row of a step's logits, for any mix of greedy, temperature, top-k, top-p, min-p, logits
+    processing (``engine.logits_processors``) and seeds, without a host sync. ``seed`` seeds the stream seeds
+    of requests that bring none; ``eos_token_ids`` are what ``min_tokens`` holds back besides stop tokens."""
 
-    def __init__(self, vocab_size: int, device: torch.device, seed: int) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:  # fmt: skip
         self.vocab_size = vocab_size
         self._seeds = random.Random(seed)
-        self._seen = _SeenTokens(vocab_size, device)
+        self.processors = LogitsProcessors(vocab_size, device, eos_token_ids)
         self._staging = StagingBuffer(4096, device)  # the per-row settings' one copy per step (grows on demand)
 
     def stream_seed(self, seed: int | None) -> int:
@@ -114,50 +79,51 @@ class Sampler:
         return to_int64(self._seeds.getrandbits(64) if seed is None else seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[SampledSequence], positions: list[int] | None = None,
-                 seen_after: list[list[int]] | None = None) -> torch.Tensor:  # fmt: skip
-        """``logits (rows, vocab)`` float32, row i for ``seqs[i]`` -> ``(rows,)`` int64 on ``logits.device``.
+                 seen_after: list[list[int]] | None = None) -> SamplerOutput:  # fmt: skip
+        """``logits (rows, vocab)`` float32, row i for ``seqs[i]`` -> a token per row on ``logits.device``.
         Row i samples token number ``positions[i]`` (default ``seqs[i].num_tokens``), having seen
         ``seqs[i].token_ids`` and then ``seen_after[i]`` (default nothing more): a speculative verify step
         (``engine.speculative``) samples several rows of one sequence, each after more of its proposals.
-        ``logits`` is left unchanged."""
+        ``logits`` is left unchanged; log-probabilities come from it (``engine.logprobs``)."""
+        tokens = self._draw(logits, seqs, positions, seen_after)
+        k = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
+        return SamplerOutput(tokens, None if k is None else LogprobTensors.of(logits, tokens, k))
+
+    def _draw(self, logits: torch.Tensor, seqs: list[SampledSequence], positions: list[int] | None,
+              seen_after: list[list[int]] | None) -> torch.Tensor:  # fmt: skip
         params = [s.params for s in seqs]
-        penalized = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        processed = [i for i, p in enumerate(params) if p.processes_logits]
         sampling = [i for i, p in enumerate(params) if p.temperature != 0]
-        if not penalized and not sampling:
+        if not processed and not sampling:
             return logits.argmax(-1)
-        packed = _Packed()
-        if penalized:
-            slots, cleared, pair_slots, pair_tokens = self._seen.plan([seqs[i] for i in penalized])
-            packed.add_ints(penalized, slots, cleared, pair_slots, pair_tokens)
-            packed.add_floats([params[i].repetition_penalty for i in penalized])
-            after = [] if seen_after is None else [seen_after[i] for i in penalized]
-            packed.add_ints([r for r, tokens in enumerate(after) for _ in tokens], [t for ts in after for t in ts])
+        at = [s.num_tokens for s in seqs] if positions is None else positions
+        packed = Packed()
+        if processed:
+            after = [[] if seen_after is None else seen_after[i] for i in processed]
+            packed.add_ints(processed)
+            apply = self.processors.plan(packed, [seqs[i] for i in processed], [at[i] for i in processed], after)
         filtered = False
         if sampling:
             rows, settings = [seqs[i] for i in sampling], [params[i] for i in sampling]
             # top-k 0, or past the vocabulary, keeps every token
             top_k = [p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size for p in settings]
-            filtered = any(k < self.vocab_size or p.top_p < 1.0 for k, p in zip(top_k, settings, strict=True))
-            sampled_at = [s.num_tokens for s in rows] if positions is None else [positions[i] for i in sampling]
-            packed.add_ints(sampling, [s.sampling_seed for s in rows], sampled_at, top_k)
-            packed.add_floats([p.temperature for p in settings], [p.top_p for p in settings])
+            filtered = any(k < self.vocab_size or p.top_p < 1.0 or p.min_p > 0
+                           for k, p in zip(top_k, settings, strict=True))  # fmt: skip
+            packed.add_ints(sampling, [s.sampling_seed for s in rows], [at[i] for i in sampling], top_k)
+            packed.add_floats([p.temperature for p in settings], [p.top_p for p in settings],
+                              [p.min_p for p in settings])  # fmt: skip
         on_device = iter(packed.send(self._staging))
 
-        if penalized:
-            rows_idx, slots_t, cleared_t, pair_slots_t, pair_tokens_t, penalties, after_rows, after_tokens = (
-                itertools.islice(on_device, 8))  # fmt: skip
-            self._seen.update(cleared_t, pair_slots_t, pair_tokens_t)
-            seen = self._seen.table[slots_t]  # (penalized rows, vocab), a copy
-            seen[after_rows, after_tokens] = True
-            penalized_logits = _penalize(logits[rows_idx], seen, penalties)
-            logits = logits.index_copy(0, rows_idx, penalized_logits)
+        if processed:
+            rows_idx = next(on_device)
+            logits = logits.index_copy(0, rows_idx, apply(logits[rows_idx], on_device))
         if not sampling:
             return logits.argmax(-1)
-        rows_idx, seeds, positions, top_k_t, temperatures, top_p_t = on_device
+        rows_idx, seeds, sampled_at, top_k_t, temperatures, top_p_t, min_p_t = on_device
         scaled = logits[rows_idx] / temperatures[:, None]  # (sampling rows, vocab)
         if filtered:
-            scaled = _filter_top_k_top_p(scaled, top_k_t, top_p_t)
-        drawn = kernels.gumbel_argmax(scaled, seeds, positions)
+            scaled = _filter(scaled, top_k_t, top_p_t, min_p_t)
+        drawn = kernels.gumbel_argmax(scaled, seeds, sampled_at)
         if len(sampling) == len(seqs):
             return drawn
         tokens = logits.argmax(-1)
@@ -165,18 +131,14 @@ class Sampler:
         return tokens
 
 
-def _penalize(logits: torch.Tensor, seen: torch.Tensor, penalties: torch.Tensor) -> torch.Tensor:
-    """``logits (rows, vocab)``, ``seen (rows, vocab)`` bool, ``penalties (rows,)``: seen tokens become less
-    likely (positive logits divided by the penalty, negative ones multiplied)."""
-    penalty = penalties[:, None]
-    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-
-
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """``logits (rows, vocab)``; ``top_k (rows,)`` in [1, vocab] (vocab keeps all), ``top_p (rows,)`` in (0, 1]
-    (1 keeps all). Tokens below a row's k-th largest logit become -inf (ties with it stay), then those past
-    its top-p nucleus of what is left: a token goes when the tokens before it already reach ``top_p``, so
-    the most likely token always stays."""
+    (1 keeps all), ``min_p (rows,)`` in [0, 1] (0 keeps all). Tokens less likely than ``min_p`` times the
+    row's most likely one become -inf, then those below its k-th largest logit (ties with it stay), then
+    those past its top-p nucleus of what is left: a token goes when the tokens before it already reach
+    ``top_p``, so the most likely token always stays."""
+    # p < min_p * p_max  <=>  logit < max_logit + log(min_p); log(0) = -inf drops nothing
+    logits = logits.masked_fill(logits < logits.amax(-1, keepdim=True) + min_p.log()[:, None], float("-inf"))
     ordered, order = logits.sort(-1, descending=True)  # (rows, vocab), order[r, j] = vocab id of rank j
     kth = ordered.gather(1, (top_k - 1)[:, None])  # (rows, 1)
     outside_k = ordered < kth
@@ -187,7 +149,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return logits.masked_fill(drop, float("-inf"))
 
 
-class _Packed:
+class Packed:
     """Per-row settings gathered on the host and sent to the device as one int64 array (floats travel as
     float64 bits), then cut into one tensor per list in the order they were added."""
 

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 # is greedy anyway. vLLM clamps such values to 0.01 with a warning; we refuse them instead, so a request is
 # never served with settings other than those it sent, and the message names 0 as the way to ask for greedy.
 MIN_TEMPERATURE = 1e-2
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs allows
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty is [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # and [-100, 100] for a logit_bias value
 
 
 @dataclass
@@ -28,6 +31,19 @@ class SamplingParams:
     options of the same names for this request; None keeps the engine's (``streaming_window=0``: off).
     ``speculative=False`` turns the engine's speculative decoding off for this request (``engine.speculative``;
     its tokens are the same either way).
+
+    Logits processing (``engine.logits_processors``), in this order: ``logit_bias`` (token id -> a value
+    added to its logit), ``min_tokens`` (EOS and ``stop_token_ids`` cannot be drawn before that many output
+    tokens), ``repetition_penalty`` (vLLM's: over prompt and output), ``presence_penalty`` and
+    ``frequency_penalty`` (OpenAI's: over the output only, ``logit -= presence * (count > 0) + frequency *
+    count``); then temperature, and the filters ``top_k``, ``top_p`` and ``min_p`` (a token stays when its
+    probability is at least ``min_p`` times the most likely one's).
+
+    ``logprobs=k`` returns each output token's log-probability and its ``k`` most likely alternatives
+    (``k <= 20``; 0: the token's own only); ``prompt_logprobs=k`` the same for every prompt token after the
+    first. Both come from the model's raw distribution, ``log_softmax`` of its logits before any processing
+    above, as vLLM returns by default: they say what the model thinks, whatever the request then drew.
+    ``max_tokens=0`` is allowed with ``prompt_logprobs`` only: the prompt is scored and nothing generated.
     """
 
     temperature: float = 1.0
@@ -43,18 +59,29 @@ class SamplingParams:
     streaming_window: int | None = None
     streaming_sinks: int | None = None
     speculative: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self.validate()
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the first bad setting; with ``vocab_size``, stop token ids must be in it."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens must be a positive integer, got 0 (0 only scores the prompt, so it "
+                             "needs prompt_logprobs, as echo with logprobs asks)")  # fmt: skip
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature}")
         # (isclose: the wire's float32 turns 0.01 into 0.0099999998)
@@ -73,12 +100,41 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids[:5]}")
+        self._validate_processing()
         for name in ("streaming_window", "streaming_sinks"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if vocab_size is not None:
             check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+            check_token_ids(self.logit_bias, vocab_size, "logit_bias keys")
+
+    def _validate_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")  # fmt: skip
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or isinstance(token, bool):
+                raise ValueError(f"logit_bias keys must be token ids (integers), got {token!r}")
+            if not (isinstance(bias, int | float) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got {bias!r} for token {token}")  # fmt: skip
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logits processor other than temperature and the filters applies to this request."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_tokens > 0 or bool(self.logit_bias))  # fmt: skip
 
     @property
     def greedy(self) -> bool:

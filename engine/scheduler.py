@@ -121,7 +121,8 @@ class Scheduler:
         passed: list[Sequence] = []
         while self.waiting and len(passed) < LOOKAHEAD and self._num_slots_used() < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.block_manager.match_prefix(seq.token_ids, seq.ring)
+            # positions whose prompt log-probabilities are wanted have no logits in a cache: compute them
+            cached = [] if seq.wants_prompt_logprobs else self.block_manager.match_prefix(seq.token_ids, seq.ring)
             num_cached = len(cached) * self.block_manager.block_size
             num_external, later = self.connector.num_external_tokens(seq, num_cached) if _may_load(seq) else (0, False)
             num_start = num_cached + num_external
@@ -213,5 +214,8 @@ class Scheduler:
 
 def _may_load(seq: Sequence) -> bool:
     """Whether the KV connector may load ``seq``'s KV: connectors fill blocks by their place in the sequence,
-    which a ring that wraps (``kvstore.ring``) does not keep, so such a sequence computes its own."""
+    which a ring that wraps (``kvstore.ring``) does not keep, so such a sequence computes its own; so does
+    one that still needs logits of its prompt (``wants_prompt_logprobs``)."""
+    if seq.wants_prompt_logprobs:
+        return False
     return seq.ring is None or seq.num_tokens <= seq.ring.num_exact_tokens

@@ -13,6 +13,7 @@ from engine.tokenizer import IncrementalDetokenizer
 from kvstore.ring import RingSpec
 
 if TYPE_CHECKING:
+    from engine.logprobs import TokenLogprob
     from engine.speculative import AcceptanceTracker
 
 
@@ -57,10 +58,20 @@ class Sequence:
     # verified in the same step; and its recent acceptance (None: it does not speculate)
     spec_token_ids: list[int] = field(default_factory=list)
     spec_tracker: AcceptanceTracker | None = None
+    # ``params.logprobs``: one per output token (None for tokens another worker streamed before a
+    # continuation); ``params.prompt_logprobs``: one per prompt token scored so far, None for the first
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether it asked for prompt log-probabilities and some are still to be computed: its prompt must
+        then be computed here, from its first unscored position, not read from a cache or loaded."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -17,7 +17,17 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc.requests import Prompt, api_key_metadata, build_request
 
-__all__ = ["AsyncClient", "Chunk", "Client", "Prompt", "Result", "build_request"]
+__all__ = ["AsyncClient", "Chunk", "Client", "Logprob", "Prompt", "Result", "build_request"]
+
+
+@dataclass
+class Logprob:
+    """A token's log-probability under the model's raw distribution, and the ``top`` most likely tokens at its
+    position as (token id, log-probability), most likely first (``logprobs=k`` asks for k)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -32,6 +42,9 @@ class Chunk:
     transfer_backend: str = ""
     decode_worker: str = ""
     prefill_worker: str = ""
+    logprobs: list[Logprob] | None = None  # of token_ids, when asked for (``logprobs=k``)
+    prompt_logprobs: list[Logprob] | None = None  # first chunk, of prompt tokens 1, 2, ... (``prompt_logprobs=k``)
+    prompt_token_ids: list[int] | None = None  # first chunk, with prompt_logprobs
 
 
 @dataclass
@@ -44,10 +57,21 @@ class Result:
     transfer_backend: str = ""
     decode_worker: str = ""
     prefill_worker: str = ""
+    logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[Logprob] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+def _logprobs(entries) -> list[Logprob]:
+    return [Logprob(e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top]) for e in entries]
 
 
 def _chunk(msg: pb.GenerateResponse) -> Chunk:
     chunk = Chunk(list(msg.token_ids), msg.text)
+    if msg.logprobs:
+        chunk.logprobs = _logprobs(msg.logprobs)
+    if msg.prompt_token_ids:
+        chunk.prompt_logprobs, chunk.prompt_token_ids = _logprobs(msg.prompt_logprobs), list(msg.prompt_token_ids)
     if msg.finish_reason:
         chunk.finish_reason = msg.finish_reason
         chunk.usage = {"prompt_tokens": msg.usage.prompt_tokens, "completion_tokens": msg.usage.completion_tokens,
@@ -71,6 +95,9 @@ def _result(chunks: list[Chunk]) -> Result:
         transfer_backend=last.transfer_backend,
         decode_worker=last.decode_worker,
         prefill_worker=last.prefill_worker,
+        logprobs=[lp for c in chunks for lp in c.logprobs or ()] if any(c.logprobs for c in chunks) else None,
+        prompt_logprobs=next((c.prompt_logprobs for c in chunks if c.prompt_token_ids), None),
+        prompt_token_ids=next((c.prompt_token_ids for c in chunks if c.prompt_token_ids), None),
     )
 
 

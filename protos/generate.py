@@ -25,7 +25,7 @@ def generate(out_dir: Path) -> list[Path]:
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed")
     written = []
-    for path in sorted(out_dir.rglob("*_pb2*.py*")):
+    for path in sorted(p for p in out_dir.rglob("*_pb2*.py*") if p.suffix in (".py", ".pyi")):  # not __pycache__
         text = re.sub(r"^from kvserve\.v1 import", "from protos.kvserve.v1 import", path.read_text(), flags=re.M)
         path.write_text(text)
         written.append(path)

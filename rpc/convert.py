@@ -1,30 +1,41 @@
-"""The mapping between the wire's sampling options and the engine's ``SamplingParams``."""
+"""The mapping between the wire's sampling options and the engine's ``SamplingParams``, and from the engine's
+log-probabilities to the wire's."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from engine import SamplingParams
+from engine.logprobs import TokenLogprob
 from protos.kvserve.v1 import kvserve_pb2 as pb
+
+# the optional scalar fields of ``pb.SamplingOptions``, named as in ``SamplingParams``
+_OPTIONAL = ("temperature", "top_p", "top_k", "seed", "max_tokens", "repetition_penalty", "streaming_window",
+             "streaming_sinks", "speculative", "presence_penalty", "frequency_penalty", "min_tokens", "min_p",
+             "logprobs", "prompt_logprobs")  # fmt: skip
 
 
 def sampling_from_proto(opts: pb.SamplingOptions) -> SamplingParams:
     """Unset fields take ``SamplingParams``' defaults; invalid values raise ``ValueError`` with the reason."""
-    kwargs = {}
-    for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "repetition_penalty", "streaming_window",
-                 "streaming_sinks", "speculative"):  # fmt: skip
-        if opts.HasField(name):
-            kwargs[name] = getattr(opts, name)
-    return SamplingParams(
-        stop=list(opts.stop), stop_token_ids=list(opts.stop_token_ids), ignore_eos=opts.ignore_eos, **kwargs
-    )
+    kwargs = {name: getattr(opts, name) for name in _OPTIONAL if opts.HasField(name)}
+    return SamplingParams(stop=list(opts.stop), stop_token_ids=list(opts.stop_token_ids), ignore_eos=opts.ignore_eos,
+                          logit_bias=dict(opts.logit_bias), **kwargs)  # fmt: skip
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
     """Inverse of ``sampling_from_proto``: every field set, so the receiver sees exactly these settings."""
-    opts = pb.SamplingOptions(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                              max_tokens=params.max_tokens, repetition_penalty=params.repetition_penalty,
-                              stop=params.stop, stop_token_ids=params.stop_token_ids,
-                              ignore_eos=params.ignore_eos, speculative=params.speculative)  # fmt: skip
-    for name in ("seed", "streaming_window", "streaming_sinks"):  # None: unset, so the receiver's default holds
+    opts = pb.SamplingOptions(stop=params.stop, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+                              logit_bias=params.logit_bias)  # fmt: skip
+    for name in _OPTIONAL:  # None: unset, so the receiver's default holds
         if getattr(params, name) is not None:
             setattr(opts, name, getattr(params, name))
     return opts
+
+
+def logprobs_to_proto(entries: Iterable[TokenLogprob | None]) -> list[pb.TokenLogprob]:
+    """The wire's form of ``entries`` (a None, a token another worker sent before a continuation, becomes an
+    empty entry)."""
+    return [pb.TokenLogprob() if e is None else
+            pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+                            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top])
+            for e in entries]  # fmt: skip

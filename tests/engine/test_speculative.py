@@ -204,6 +204,7 @@ def test_a_verify_rows_penalty_counts_the_proposals_before_it():
         params: SamplingParams
         token_ids: list[int]
         sampling_seed: int = 7
+        prompt_token_ids: tuple[int, ...] = (3, 5)  # the proposals are output: the OpenAI penalties count them
 
         @property
         def num_tokens(self) -> int:
@@ -213,12 +214,13 @@ def test_a_verify_rows_penalty_counts_the_proposals_before_it():
     logits = torch.randn(len(proposals) + 1, vocab, generator=torch.Generator().manual_seed(0))
     logits[:, [9, 4]] += 4.0  # the proposals are the likely tokens, so the penalty decides
     for params in (SamplingParams(temperature=0, repetition_penalty=2.0),
+                   SamplingParams(temperature=0, frequency_penalty=2.0, presence_penalty=1.0),
                    SamplingParams(temperature=0.9, repetition_penalty=1.5, top_k=8, seed=1)):  # fmt: skip
         seq = Seq(params, list(history))
         rows = range(len(proposals) + 1)
         together = Sampler(vocab, torch.device("cpu"), 0)(
-            logits, [seq] * len(rows), [len(history) + j for j in rows], [proposals[:j] for j in rows]).tolist()
-        alone = [Sampler(vocab, torch.device("cpu"), 0)(logits[j : j + 1], [Seq(params, history + proposals[:j])])
+            logits, [seq] * len(rows), [len(history) + j for j in rows], [proposals[:j] for j in rows]).tokens.tolist()
+        alone = [Sampler(vocab, torch.device("cpu"), 0)(logits[j : j + 1], [Seq(params, history + proposals[:j])]).tokens
                  for j in rows]  # fmt: skip
         assert together == [int(t) for t in alone]
 

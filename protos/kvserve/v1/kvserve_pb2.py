@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvserve/v1/kvserve.proto\x12\nkvserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbd\x03\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10streaming_window\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fstreaming_sinks\x18\x0b \x01(\x05H\x07\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x0c \x01(\x08H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penaltyB\x13\n\x11_streaming_windowB\x12\n\x10_streaming_sinksB\x0e\n\x0c_speculative\"\xc3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.kvserve.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.kvserve.v1.SamplingOptionsB\x08\n\x06prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"U\n\x07Timings\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x10\n\x08total_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\"\xef\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.kvserve.v1.Timings\x12\x18\n\x10transfer_backend\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x16\n\x0eprefill_worker\x18\t \x01(\t\"\xcb\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.kvserve.v1.SamplingOptions\x12 \n\x18preferred_prefill_worker\x18\x04 \x01(\t\x12 \n\x18resumed_output_token_ids\x18\x05 \x03(\x05\x12\x19\n\x11num_resumed_chars\x18\x06 \x01(\x05\"\x94\x03\n\rKVDestination\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x10\n\x08shm_path\x18\x06 \x01(\t\x12\x17\n\x0f\x63uda_ipc_handle\x18\x07 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x08 \x01(\x05\x12\x19\n\x11prefill_worker_id\x18\n \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\x0b \x01(\x03\x12\x17\n\x0flease_signature\x18\x0c \x01(\t\x12\x18\n\x10\x63\x61\x63hed_block_ids\x18\r \x03(\x05\x12\x1a\n\x12\x63\x61\x63hed_prefix_hash\x18\x0e \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x0f \x01(\x05\x12\x13\n\x0blease_nonce\x18\x10 \x01(\t\x12\x15\n\rnixl_metadata\x18\x11 \x01(\x0c\x12\x11\n\tnixl_pool\x18\x12 \x01(\tJ\x04\x08\t\x10\n\"\xb8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.kvserve.v1.SamplingOptions\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.kvserve.v1.KVDestination\"\xbf\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\x12\x1a\n\x12num_tokens_written\x18\x03 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\"e\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\t\"I\n\x0ePushKVResponse\x12\x12\n\nnum_chunks\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t2T\n\tInference\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x32O\n\x06\x44\x65\x63ode\x12\x45\n\x08Generate\x12\x19.kvserve.v1.DecodeRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x32M\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.kvserve.v1.PrefillRequest\x1a\x1b.kvserve.v1.PrefillResponse2I\n\nKVTransfer\x12;\n\x06PushKV\x12\x13.kvserve.v1.KVChunk\x1a\x1a.kvserve.v1.PushKVResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvserve/v1/kvserve.proto\x12\nkvserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb5\x06\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10streaming_window\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fstreaming_sinks\x18\x0b \x01(\x05H\x07\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x0c \x01(\x08H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x02H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12\x12\n\x05min_p\x18\x10 \x01(\x02H\x0c\x88\x01\x01\x12>\n\nlogit_bias\x18\x11 \x03(\x0b\x32*.kvserve.v1.SamplingOptions.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x12 \x01(\x05H\r\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\x0e\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penaltyB\x13\n\x11_streaming_windowB\x12\n\x10_streaming_sinksB\x0e\n\x0c_speculativeB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokensB\x08\n\x06_min_pB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.TopLogprob\"\xc3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.kvserve.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.kvserve.v1.SamplingOptionsB\x08\n\x06prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"U\n\x07Timings\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x10\n\x08total_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\"\xe8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.kvserve.v1.Timings\x12\x18\n\x10transfer_backend\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x16\n\x0eprefill_worker\x18\t \x01(\t\x12*\n\x08logprobs\x18\n \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x0c \x03(\x05\"\xcb\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.kvserve.v1.SamplingOptions\x12 \n\x18preferred_prefill_worker\x18\x04 \x01(\t\x12 \n\x18resumed_output_token_ids\x18\x05 \x03(\x05\x12\x19\n\x11num_resumed_chars\x18\x06 \x01(\x05\"\x94\x03\n\rKVDestination\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x10\n\x08shm_path\x18\x06 \x01(\t\x12\x17\n\x0f\x63uda_ipc_handle\x18\x07 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x08 \x01(\x05\x12\x19\n\x11prefill_worker_id\x18\n \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\x0b \x01(\x03\x12\x17\n\x0flease_signature\x18\x0c \x01(\t\x12\x18\n\x10\x63\x61\x63hed_block_ids\x18\r \x03(\x05\x12\x1a\n\x12\x63\x61\x63hed_prefix_hash\x18\x0e \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x0f \x01(\x05\x12\x13\n\x0blease_nonce\x18\x10 \x01(\t\x12\x15\n\rnixl_metadata\x18\x11 \x01(\x0c\x12\x11\n\tnixl_pool\x18\x12 \x01(\tJ\x04\x08\t\x10\n\"\xb8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.kvserve.v1.SamplingOptions\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.kvserve.v1.KVDestination\"\xbf\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\x12\x1a\n\x12num_tokens_written\x18\x03 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\"e\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\t\"I\n\x0ePushKVResponse\x12\x12\n\nnum_chunks\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t2T\n\tInference\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x32O\n\x06\x44\x65\x63ode\x12\x45\n\x08Generate\x12\x19.kvserve.v1.DecodeRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x32M\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.kvserve.v1.PrefillRequest\x1a\x1b.kvserve.v1.PrefillResponse2I\n\nKVTransfer\x12;\n\x06PushKV\x12\x13.kvserve.v1.KVChunk\x1a\x1a.kvserve.v1.PushKVResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserve.v1.kvserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=40
   _globals['_CHATMESSAGE']._serialized_end=84
   _globals['_CHATMESSAGES']._serialized_start=86
@@ -38,33 +40,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=145
   _globals['_TOKENIDS']._serialized_end=168
   _globals['_SAMPLINGOPTIONS']._serialized_start=171
-  _globals['_SAMPLINGOPTIONS']._serialized_end=616
-  _globals['_GENERATEREQUEST']._serialized_start=619
-  _globals['_GENERATEREQUEST']._serialized_end=814
-  _globals['_USAGE']._serialized_start=816
-  _globals['_USAGE']._serialized_end=903
-  _globals['_TIMINGS']._serialized_start=905
-  _globals['_TIMINGS']._serialized_end=990
-  _globals['_GENERATERESPONSE']._serialized_start=993
-  _globals['_GENERATERESPONSE']._serialized_end=1232
-  _globals['_DECODEREQUEST']._serialized_start=1235
-  _globals['_DECODEREQUEST']._serialized_end=1438
-  _globals['_KVDESTINATION']._serialized_start=1441
-  _globals['_KVDESTINATION']._serialized_end=1845
-  _globals['_PREFILLREQUEST']._serialized_start=1848
-  _globals['_PREFILLREQUEST']._serialized_end=2032
-  _globals['_PREFILLRESPONSE']._serialized_start=2035
-  _globals['_PREFILLRESPONSE']._serialized_end=2226
-  _globals['_KVCHUNK']._serialized_start=2228
-  _globals['_KVCHUNK']._serialized_end=2329
-  _globals['_PUSHKVRESPONSE']._serialized_start=2331
-  _globals['_PUSHKVRESPONSE']._serialized_end=2404
-  _globals['_INFERENCE']._serialized_start=2406
-  _globals['_INFERENCE']._serialized_end=2490
-  _globals['_DECODE']._serialized_start=2492
-  _globals['_DECODE']._serialized_end=2571
-  _globals['_PREFILL']._serialized_start=2573
-  _globals['_PREFILL']._serialized_end=2650
-  _globals['_KVTRANSFER']._serialized_start=2652
-  _globals['_KVTRANSFER']._serialized_end=2725
+  _globals['_SAMPLINGOPTIONS']._serialized_end=992
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=703
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=751
+  _globals['_TOPLOGPROB']._serialized_start=994
+  _globals['_TOPLOGPROB']._serialized_end=1041
+  _globals['_TOKENLOGPROB']._serialized_start=1043
+  _globals['_TOKENLOGPROB']._serialized_end=1129
+  _globals['_GENERATEREQUEST']._serialized_start=1132
+  _globals['_GENERATEREQUEST']._serialized_end=1327
+  _globals['_USAGE']._serialized_start=1329
+  _globals['_USAGE']._serialized_end=1416
+  _globals['_TIMINGS']._serialized_start=1418
+  _globals['_TIMINGS']._serialized_end=1503
+  _globals['_GENERATERESPONSE']._serialized_start=1506
+  _globals['_GENERATERESPONSE']._serialized_end=1866
+  _globals['_DECODEREQUEST']._serialized_start=1869
+  _globals['_DECODEREQUEST']._serialized_end=2072
+  _globals['_KVDESTINATION']._serialized_start=2075
+  _globals['_KVDESTINATION']._serialized_end=2479
+  _globals['_PREFILLREQUEST']._serialized_start=2482
+  _globals['_PREFILLREQUEST']._serialized_end=2666
+  _globals['_PREFILLRESPONSE']._serialized_start=2669
+  _globals['_PREFILLRESPONSE']._serialized_end=2860
+  _globals['_KVCHUNK']._serialized_start=2862
+  _globals['_KVCHUNK']._serialized_end=2963
+  _globals['_PUSHKVRESPONSE']._serialized_start=2965
+  _globals['_PUSHKVRESPONSE']._serialized_end=3038
+  _globals['_INFERENCE']._serialized_start=3040
+  _globals['_INFERENCE']._serialized_end=3124
+  _globals['_DECODE']._serialized_start=3126
+  _globals['_DECODE']._serialized_end=3205
+  _globals['_PREFILL']._serialized_start=3207
+  _globals['_PREFILL']._serialized_end=3284
+  _globals['_KVTRANSFER']._serialized_start=3286
+  _globals['_KVTRANSFER']._serialized_end=3359
 # @@protoc_insertion_point(module_scope)
