@@ -7,7 +7,8 @@ it shares with its children on by walking their models (``rpc.settings.settings_
 * every engine option given (flag or ``KVSERVE_*``) goes to every worker, but ``UP_SET_FIELDS``: each
   worker's share of the GPU comes from ``--prefill/decode-gpu-memory-utilization``, and a worker names its
   own shared-memory pool;
-* the router gets the model's options (``ModelSettings``) and the stream options (``StreamSettings``);
+* the router gets the model's options (``ModelSettings``), ``--max-model-len``, the served names
+  (``ServedModelSettings``) and the stream options (``StreamSettings``);
 * the decode workers get ``--kv-transport``;
 * security: ``--insecure-internal`` every child, ``--tls-*`` the router only (``security.cluster_tls``); the
   token and the API key go through the environment, never a command line.
@@ -21,15 +22,15 @@ from pathlib import Path
 from pydantic import Field
 
 from engine.config import EngineConfig
-from router.settings import ApiKeySettings, StreamSettings
+from router.settings import ApiKeySettings, ServedModelSettings, StreamSettings
 from rpc.options import DrainSettings, KVTransportChoice, RegistrySettings, SecuritySettings, ThreadSettings
 from rpc.settings import fields_of, parse_settings, settings_argv
 
 UP_SET_FIELDS = ("gpu_memory_utilization", "shared_kv_name")
 
 
-class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings, ApiKeySettings, SecuritySettings,
-                 EngineConfig):  # fmt: skip
+class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings, ServedModelSettings, ApiKeySettings,
+                 SecuritySettings, EngineConfig):  # fmt: skip
     """cluster: what kvserve up starts (the options above go to its processes)"""
 
     prefill: int = Field(1, ge=0, description="number of prefill workers")
@@ -76,8 +77,9 @@ class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings
         return settings_argv(self, fields_of(EngineConfig, UP_SET_FIELDS))
 
     def router_argv(self) -> list[str]:
-        """The stream options given, as the router's flags (its model options come from ``engine_argv``)."""
-        return settings_argv(self, fields_of(StreamSettings))
+        """The stream options, the served names and ``--max-model-len`` given, as the router's flags (its model
+        options come from ``ModelSettings``)."""
+        return settings_argv(self, [*fields_of(StreamSettings), *fields_of(ServedModelSettings), "max_model_len"])
 
     def security_argv(self) -> list[str]:
         """``--insecure-internal`` and ``--tls-*`` (absolute: ``security.cluster_tls`` reads them too) as given."""

@@ -50,10 +50,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(err))
     path = resolve_model(settings.model)
     config = ModelConfig.from_dir(path)
+    if settings.max_model_len and settings.max_model_len > config.max_context:
+        parser.error(f"argument --max-model-len: {settings.max_model_len} exceeds the model's context of "
+                     f"{config.max_context} tokens")  # fmt: skip
+    max_context = settings.max_model_len or config.max_context
     registry = Registry(settings.redis_url, security=security) if settings.redis_url else None
     tokenizer = None if settings.skip_tokenizer_init else Tokenizer(path)
     try:
-        router = Router(tokenizer, config.vocab_size, config.max_context, security, registry,
+        router = Router(tokenizer, config.vocab_size, max_context, security, registry,
                         settings.decode_address, weights=weights, migrate_streams=settings.migrate_streams,
                         stream_idle_timeout_s=settings.stream_idle_timeout,
                         max_validation_backlog=settings.max_validation_backlog)  # fmt: skip
@@ -64,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     if settings.http_port:
         from router.openai_api import HttpServer, create_app  # fastapi and uvicorn: only for the HTTP API
 
-        app = create_app(router, path.name, door, serve_metrics=not settings.metrics_port)
+        names = settings.served_model_name or [path.name]
+        app = create_app(router, names, door, serve_metrics=not settings.metrics_port, root=str(path))
         try:
             http = HttpServer(app, host, settings.http_port, settings.tls_cert, settings.tls_key, settings.tls_ca)
         except OSError as err:

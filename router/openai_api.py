@@ -1,10 +1,12 @@
 """The router's OpenAI-compatible HTTP front door (FastAPI on uvicorn, on the router's own event loop).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` over server-sent events, ending
-with ``data: [DONE]``; ``stream_options.include_usage`` adds a closing usage event), ``GET /v1/models`` and
-``GET /health`` (503 while no decode worker answers), ``GET /metrics`` (Prometheus, ``rpc.metrics``; not here when
-the router serves it on its own ``--metrics-port``). Every request first passes the front door
-(``router.limits``): the API key, the body-size limit and the concurrency limit.
+with ``data: [DONE]``; ``stream_options.include_usage`` adds a closing usage event), ``GET /v1/models`` (each
+served name, with ``root`` and ``max_model_len``), vLLM's ``POST /tokenize`` and ``POST /detokenize`` (on the
+router's tokenizer thread), ``GET /health`` (503 while no decode worker answers), ``GET /metrics`` (Prometheus,
+``rpc.metrics``; not here when the router serves it on its own ``--metrics-port``). Every request first passes
+the front door (``router.limits``): the API key, the body-size limit and the concurrency limit. A body whose
+``model`` is none of the served names gets 404 ``model_not_found``; one without ``model`` gets the first.
 
 A request's life here: the body is parsed (``router.openai_protocol``) into the same ``pb.GenerateRequest``
 the gRPC door takes and handed to ``Router.generate`` in this process: validation, routing and the decode
@@ -21,7 +23,7 @@ import asyncio
 import json
 import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing, contextmanager, suppress
 from typing import Any, TypeVar
 
@@ -32,11 +34,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from engine.sampling_params import check_token_ids
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from router import openai_protocol as api
 from router.limits import FrontDoor, HttpFrontDoor
+from router.openai_fields import FieldError
 from router.server import RouteError, Router
+from router.validation_queue import ValidationBusy
 from rpc.streams import cancel_when_stalled
+from rpc.validation import encode_chat
 
 _T = TypeVar("_T")
 _CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, but logs show what happened
@@ -46,10 +52,13 @@ class _ClientGone(Exception):
     pass
 
 
-def create_app(router: Router, model_name: str, door: FrontDoor | None = None, serve_metrics: bool = True
-               ) -> FastAPI:  # fmt: skip
-    """The HTTP API over ``router`` behind ``door`` (default: no key, default limits); ``model_name`` is what
-    ``/v1/models`` lists and answers carry; ``serve_metrics`` false leaves ``/metrics`` to another port."""
+def create_app(router: Router, model_names: str | Sequence[str], door: FrontDoor | None = None,
+               serve_metrics: bool = True, root: str | None = None) -> FastAPI:  # fmt: skip
+    """The HTTP API over ``router`` behind ``door`` (default: no key, default limits); ``model_names`` are what
+    ``/v1/models`` lists and requests may name (answers carry the name asked for, else the first); ``root`` is
+    the model's path (default: the first name); ``serve_metrics`` false leaves ``/metrics`` to another port."""
+    names = [model_names] if isinstance(model_names, str) else list(model_names)
+    served = _Served(names, root or names[0], router.max_context)
     app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(HttpFrontDoor, door=door or FrontDoor())
 
@@ -73,27 +82,60 @@ def create_app(router: Router, model_name: str, door: FrontDoor | None = None, s
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kvserve"}]}
+        return {"object": "list", "data": [served.card(name) for name in served.names]}
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request) -> Response:
-        return await _serve(router, model_name, body, request, chat=False)
+        return served.refuse(body.model) or await _serve(router, served.name(body.model), body, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: api.ChatCompletionRequest, request: Request) -> Response:
-        return await _serve(router, model_name, body, request, chat=True)
+        return served.refuse(body.model) or await _serve(router, served.name(body.model), body, request, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(body: api.TokenizeRequest) -> Response:
+        return served.refuse(body.model) or await _tokenize(router, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: api.DetokenizeRequest) -> Response:
+        return served.refuse(body.model) or await _detokenize(router, body)
 
     return app
+
+
+class _Served:
+    """The names the API serves its one model under, and what ``/v1/models`` says of it."""
+
+    def __init__(self, names: list[str], root: str, max_model_len: int) -> None:
+        self.names, self.root, self.max_model_len = names, root, max_model_len
+
+    def card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "kvserve", "root": self.root,
+                "parent": None, "max_model_len": self.max_model_len}  # fmt: skip
+
+    def name(self, asked: str | None) -> str:
+        return asked or self.names[0]
+
+    def refuse(self, asked: str | None) -> JSONResponse | None:
+        """404 ``model_not_found`` (as OpenAI answers it) for a name not served; None for a served one or none."""
+        if not asked or asked in self.names:
+            return None
+        shown = asked if len(asked) <= 64 else asked[:61] + "..."
+        body = api.error_body(f"The model {shown!r} does not exist; this server serves {self.names}",
+                              "invalid_request_error", "model_not_found", "model")  # fmt: skip
+        return JSONResponse(body, status_code=404)
 
 
 async def _serve(router: Router, model: str, body: api.CompletionRequest | api.ChatCompletionRequest,
                  request: Request, chat: bool) -> Response:  # fmt: skip
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
+        body.check_fields()
         proto = body.to_proto(request_id)
+        message_fields = body.message_fields() if isinstance(body, api.ChatCompletionRequest) else None
     except ValueError as err:
-        return _error(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-    stream = router.generate(proto)
+        return _error(grpc.StatusCode.INVALID_ARGUMENT, str(err), getattr(err, "param", None))
+    stream = router.generate(proto, message_fields=message_fields)
     try:
         if not body.stream:
             text, last = await _unless_gone(request, _collect(stream))
@@ -109,6 +151,58 @@ async def _serve(router: Router, model: str, body: api.CompletionRequest | api.C
     events = cancel_when_stalled(_events(stream, first, request_id, model, chat, body.include_usage),
                                  router.stream_idle_timeout_s, f"HTTP {request_id}")  # fmt: skip
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _tokenize(router: Router, body: api.TokenizeRequest) -> Response:
+    """vLLM's ``/tokenize``: ``prompt`` encoded, or ``messages`` rendered by the chat template as a chat request's
+    are (a generation prompt unless ``add_generation_prompt`` is false) and encoded."""
+    tokenizer = router.tokenizer
+    try:
+        body.check_fields()
+        if tokenizer is None:
+            raise ValueError("this router's model has no tokenizer (--skip-tokenizer-init)")
+        if (body.prompt is None) == (body.messages is None):
+            raise FieldError("prompt", "send either prompt or messages")
+        if body.messages is not None:
+            messages = body.template_messages()
+            num_chars = sum(len(m["content"]) for m in messages)
+            add = bool(body.add_special_tokens)  # the template wrote the special tokens it wants
+
+            def work() -> list[int]:
+                return encode_chat(tokenizer, messages, body.add_generation_prompt, add)
+        else:
+            prompt, num_chars, add = body.prompt, len(body.prompt), body.add_special_tokens is not False
+
+            def work() -> list[int]:
+                return tokenizer.encode(prompt, add_special_tokens=add)
+
+        ids = await router.run_tokenizer(num_chars, work)
+        strs = await router.run_tokenizer(len(ids), lambda: tokenizer.hf.convert_ids_to_tokens(ids)) \
+            if body.return_token_strs else None  # fmt: skip
+    except ValidationBusy as err:
+        return _error(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+    except ValueError as err:
+        return _error(grpc.StatusCode.INVALID_ARGUMENT, str(err), getattr(err, "param", None))
+    return JSONResponse({"count": len(ids), "max_model_len": router.max_context, "tokens": ids, "token_strs": strs})
+
+
+async def _detokenize(router: Router, body: api.DetokenizeRequest) -> Response:
+    """vLLM's ``/detokenize``: the text of ``tokens``, special tokens included."""
+    tokenizer = router.tokenizer
+    try:
+        body.check_fields()
+        if tokenizer is None:
+            raise ValueError("this router's model has no tokenizer (--skip-tokenizer-init)")
+        try:
+            check_token_ids(body.tokens, router.vocab_size, "tokens")
+        except ValueError as err:
+            raise FieldError("tokens", str(err)) from None
+        text = await router.run_tokenizer(len(body.tokens), lambda: tokenizer.decode(body.tokens, False))
+    except ValidationBusy as err:
+        return _error(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+    except ValueError as err:
+        return _error(grpc.StatusCode.INVALID_ARGUMENT, str(err), getattr(err, "param", None))
+    return JSONResponse({"prompt": text})
 
 
 async def _collect(stream: AsyncIterator[pb.GenerateResponse]) -> tuple[str, pb.GenerateResponse]:

@@ -5,21 +5,26 @@ usage, errors).
 Field names follow OpenAI and vLLM: ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``,
 ``top_p``, ``top_k``, ``seed``, ``stop`` (a string or a list), ``stop_token_ids``, ``ignore_eos``,
 ``repetition_penalty``, kvserve's StreamingLLM options ``streaming_window`` and ``streaming_sinks``, and
-``speculative`` (false: no speculative decoding for this request).
-Unknown fields are ignored, as OpenAI clients send some we do not serve (``user``).
+``speculative`` (false: no speculative decoding for this request). Fields declared nowhere here go to
+``router.openai_fields``: OpenAI's that kvserve does not implement are refused unless their value asks for
+nothing, the rest are ignored.
 Only types are checked here; every rule on values lives in ``rpc.validation``, which the router applies
 to the ``pb.GenerateRequest`` built here, so both doors refuse the same requests with the same message.
+Chat messages: ``developer`` is rendered as ``system``; a ``tool`` message needs its ``tool_call_id``; an
+assistant message may carry ``tool_calls`` and no content. What ``pb.ChatMessage`` does not carry (tool calls,
+tool call ids, names) goes beside it to the chat template (``message_fields``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 from pydantic import BaseModel, ConfigDict
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
+from router.openai_fields import FieldError, check_extra_fields
 from rpc.requests import build_request
 
 # gRPC status -> (HTTP status, OpenAI error type)
@@ -34,13 +39,22 @@ _HTTP_ERRORS = {
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = False  # (include_obfuscation pads deltas against a side channel: ignored)
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Body(BaseModel):
+    """A request body: declared fields typed, the others kept for ``check_fields``."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
+
+    def check_fields(self) -> None:
+        """``FieldError`` for an undeclared field that asks for what kvserve does not implement."""
+        check_extra_fields(self.model_extra or {})
+
+
+class _Common(_Body):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -53,13 +67,10 @@ class _Common(BaseModel):
     streaming_window: int | None = None
     streaming_sinks: int | None = None
     speculative: bool | None = None
-    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
 
     def sampling(self, max_tokens: int | None) -> dict[str, Any]:
-        if self.n != 1:
-            raise ValueError(f"n is {self.n}; this server returns one choice per request (n=1)")
         return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                 "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
                 "ignore_eos": self.ignore_eos, "repetition_penalty": self.repetition_penalty,
@@ -76,12 +87,7 @@ class CompletionRequest(_Common):
 
     def to_proto(self, request_id: str) -> pb.GenerateRequest:
         """Raises ``ValueError`` for what protobuf cannot hold (a batch of prompts, an int past 32 bits)."""
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ValueError(f"prompt is a batch of {len(prompt)}; send one prompt per request")
-            prompt = prompt[0]
-        return _build(prompt, request_id, self.sampling(self.max_tokens))
+        return _build(_one_prompt(self.prompt), request_id, self.sampling(self.max_tokens))
 
 
 class ContentPart(BaseModel):
@@ -89,16 +95,44 @@ class ContentPart(BaseModel):
     text: str = ""
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: str
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the call it answers
 
-    def text(self) -> str:
+    def text(self, i: int) -> str:
+        """The content as one text; ``FieldError`` for a part that is not text, or no content where one is due."""
+        if self.content is None:
+            if self.role == "assistant" and self.tool_calls:
+                return ""
+            raise FieldError(f"messages.{i}.content", f"messages[{i}] ({self.role}) has no content")
         if isinstance(self.content, str):
             return self.content
-        if any(part.type != "text" for part in self.content):
-            raise ValueError("only text content parts are served")
+        for j, part in enumerate(self.content):
+            if part.type != "text":
+                raise FieldError(f"messages.{i}.content", f"messages[{i}].content[{j}] is of type {part.type[:32]!r}; "
+                                 "only text content parts are served")  # fmt: skip
         return "".join(part.text for part in self.content)
+
+    def template_fields(self, i: int) -> dict[str, Any]:
+        """What the chat template gets beside the role and content."""
+        if self.role == "tool" and not self.tool_call_id:
+            message = f"messages[{i}] has role tool and no tool_call_id: name the tool call it answers"
+            raise FieldError(f"messages.{i}.tool_call_id", message)
+        return self.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)
 
 
 class ChatCompletionRequest(_Common):
@@ -106,11 +140,46 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
 
     def to_proto(self, request_id: str) -> pb.GenerateRequest:
-        messages = [{"role": m.role, "content": m.text()} for m in self.messages]
-        if not messages:
-            raise ValueError("messages is empty")
+        """Unset ``max_tokens``: the router gives a chat the rest of the context (``rpc.validation``)."""
+        if not self.messages:
+            raise FieldError("messages", "messages is empty")
+        messages = [{"role": _ROLE_AS.get(m.role, m.role), "content": m.text(i)} for i, m in enumerate(self.messages)]
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return _build(messages, request_id, self.sampling(max_tokens))
+
+    def message_fields(self) -> list[dict[str, Any]] | None:
+        """Per message, what the chat template gets beside role and content; None when no message has any."""
+        fields = [m.template_fields(i) for i, m in enumerate(self.messages)]
+        return fields if any(fields) else None
+
+
+_ROLE_AS = {"developer": "system"}  # OpenAI's name for system messages to newer models
+
+
+class TokenizeRequest(_Body):
+    """vLLM's ``/tokenize``: a prompt, or chat messages rendered with the chat template."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template has them)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [{"role": _ROLE_AS.get(m.role, m.role), "content": m.text(i), **m.template_fields(i)}
+                for i, m in enumerate(self.messages or [])]  # fmt: skip
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int]
+
+
+def _one_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise FieldError("prompt", f"prompt is a batch of {len(prompt)}; send one prompt per request")
+        return prompt[0]
+    return prompt
 
 
 def _build(prompt, request_id: str, sampling: dict[str, Any]) -> pb.GenerateRequest:
@@ -163,5 +232,5 @@ def error(code: grpc.StatusCode, message: str, param: str | None = None) -> tupl
 
 
 def error_body(message: str, kind: str, code: str, param: str | None = None) -> dict[str, Any]:
-    """An OpenAI error object; ``code`` is a gRPC status name in lower case."""
+    """An OpenAI error object; ``code`` is a gRPC status name in lower case, or OpenAI's own (``model_not_found``)."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -31,8 +31,9 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
+from typing import Any, TypeVar
 
 import grpc
 
@@ -60,6 +61,7 @@ _MIGRATABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL}
 # so it gets UNAVAILABLE (after trying the others), not an internal service's auth error.
 _RETRYABLE = _MIGRATABLE | {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED}
 _SERVICES = {"decode": "kvserve.v1.Decode", "prefill": "kvserve.v1.Prefill"}
+_T = TypeVar("_T")
 
 
 class RouteError(Exception):
@@ -101,6 +103,7 @@ class Router(pb_grpc.InferenceServicer):
         self.health = WorkerHealth(self._channel)
         self._channels: dict[str, tuple[grpc.aio.Channel, float]] = {}  # and the worker start it was made for
         self._in_flight: Counter[str] = Counter()
+        self.tokenizer, self.vocab_size, self.max_context = tokenizer, vocab_size, max_context
         self._validator = ValidationQueue(tokenizer, vocab_size, max_context, max_validation_backlog)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator:
@@ -112,12 +115,14 @@ class Router(pb_grpc.InferenceServicer):
         except RouteError as err:
             await context.abort(err.code, err.details)
 
-    async def generate(self, request: pb.GenerateRequest, timeout_s: float | None = None
+    async def generate(self, request: pb.GenerateRequest, timeout_s: float | None = None,
+                       message_fields: Sequence[dict[str, Any]] | None = None
                        ) -> AsyncIterator[pb.GenerateResponse]:  # fmt: skip
-        """``_route``, counted in ``kvserve_router_requests_total`` by how it ended."""
+        """``_route``, counted in ``kvserve_router_requests_total`` by how it ended. ``message_fields``: what the
+        chat template gets beside each message's role and content (``rpc.validation.validate_generate``)."""
         status = "OK"
         try:
-            async with aclosing(self._route(request, timeout_s)) as stream:
+            async with aclosing(self._route(request, timeout_s, message_fields)) as stream:
                 async for msg in stream:
                     yield msg
         except RouteError as err:
@@ -129,7 +134,8 @@ class Router(pb_grpc.InferenceServicer):
         finally:
             metrics.ROUTER_REQUESTS.labels(status).inc()
 
-    async def _route(self, request: pb.GenerateRequest, timeout_s: float | None
+    async def _route(self, request: pb.GenerateRequest, timeout_s: float | None,
+                     message_fields: Sequence[dict[str, Any]] | None
                      ) -> AsyncIterator[pb.GenerateResponse]:  # fmt: skip
         """Validate, route and relay one public request: the decode worker's messages, the last with
         ``finish_reason``. Every failure is a ``RouteError`` (nothing else escapes), raised before the first
@@ -137,7 +143,7 @@ class Router(pb_grpc.InferenceServicer):
         cancels the decode call, which frees its blocks: both the gRPC servicer and the HTTP API consume it."""
         received = time.perf_counter()
         try:
-            prompt, params = await self._validator.validate(request)
+            prompt, params = await self._validator.validate(request, message_fields)
         except ValueError as err:
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         except ValidationBusy as err:
@@ -186,6 +192,11 @@ class Router(pb_grpc.InferenceServicer):
         full = all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _ in errors)
         raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.UNAVAILABLE,
                          "every decode worker tried failed: " + "; ".join(text for _, text in errors))  # fmt: skip
+
+    async def run_tokenizer(self, num_chars: int, work: Callable[[], _T]) -> _T:
+        """``work()``, which uses ``tokenizer``, on the validation thread (``ValidationQueue.run``): the HTTP
+        API's ``/tokenize`` and ``/detokenize``. ``ValidationBusy`` when its backlog is full."""
+        return await self._validator.run(num_chars, work)
 
     async def ready(self) -> bool:
         """Whether a decode worker answers health checks now (the HTTP ``/health``)."""

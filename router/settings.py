@@ -1,6 +1,6 @@
 """The router's options (``python -m router --help``): the shared groups (``rpc.options``), the model's
-(``engine.config.ModelSettings``) and its own. ``StreamSettings`` and ``ApiKeySettings`` are ``kvserve up``'s
-too, which passes them on to the router it starts."""
+(``engine.config.ModelSettings``) and its own. ``ServedModelSettings``, ``StreamSettings`` and ``ApiKeySettings``
+are ``kvserve up``'s too, which passes them on to the router it starts (and its ``--max-model-len``)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,16 @@ class StreamSettings(Settings):
         ge=0,
         description="seconds a streaming client may read nothing before its stream is cancelled (and its KV "
         "blocks freed); 0: no limit",
+    )
+
+
+class ServedModelSettings(Settings):
+    """served model: how the OpenAI-compatible API names it"""
+
+    served_model_name: list[str] = Field(
+        [],
+        description="the names clients may send as 'model' (as vLLM's flag: one or more; the first is the one "
+        "answers carry when a request names none); none: the model directory's name",
     )
 
 
@@ -82,9 +92,16 @@ class FrontDoorSettings(ApiKeySettings):
     )
 
 
-class RouterSettings(ServeSettings, ModelSettings, RegistrySettings, SecuritySettings, StreamSettings,
-                     RoutingSettings, FrontDoorSettings):  # fmt: skip
+class RouterSettings(ServeSettings, ModelSettings, ServedModelSettings, RegistrySettings, SecuritySettings,
+                     StreamSettings, RoutingSettings, FrontDoorSettings):  # fmt: skip
     """router: its public doors"""
+
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description="the workers' --max-model-len: the longest sequence a request may grow to, which bounds "
+        "max_tokens and a chat's default (kvserve up passes its own); none: the model's context",
+    )
 
     port: int = Field(50051, ge=0, le=65535, description="the public gRPC port (kvserve.v1.Inference)")
     http_port: int = Field(8000, ge=0, le=65535, description="the OpenAI-compatible HTTP API's port; 0: none")

@@ -17,7 +17,8 @@ A request's way through it:
    much.) A request whose client left while it waited is dropped unvalidated.
 
 One thread, because Hugging Face tokenizers are not safe to share between threads and it bounds validation's
-CPU share; tokenizing releases the GIL, so the event loop goes on serving meanwhile.
+CPU share; tokenizing releases the GIL, so the event loop goes on serving meanwhile. The HTTP API's
+``/tokenize`` and ``/detokenize`` use the tokenizer on the same thread, through the same queue (``run``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import asyncio
 import itertools
 import queue
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -34,6 +37,7 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from rpc.validation import MAX_PROMPT_BYTES, validate_generate
 
 DEFAULT_MAX_BACKLOG = 4 << 20  # prompt characters
+_T = TypeVar("_T")
 
 
 class ValidationBusy(Exception):
@@ -68,13 +72,25 @@ class ValidationQueue:
         self._thread = threading.Thread(target=self._work, name="router-validate", daemon=True)
         self._thread.start()
 
-    async def validate(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
-        """The prompt's token ids and sampling parameters; ``ValueError`` for a bad request, ``ValidationBusy``
-        when the backlog is full. Cancelling the caller drops a request that still waits."""
+    async def validate(self, request: pb.GenerateRequest, message_fields: Sequence[dict[str, Any]] | None = None
+                       ) -> tuple[list[int], SamplingParams]:  # fmt: skip
+        """The prompt's token ids and sampling parameters (``rpc.validation.validate_generate``); ``ValueError``
+        for a bad request, ``ValidationBusy`` when the backlog is full. Cancelling the caller drops a request that
+        still waits."""
         size = self._admit(request)
+        return await self._submit(size, lambda: validate_generate(request, self.tokenizer, self.vocab_size,
+                                                                  self.max_context, message_fields))  # fmt: skip
+
+    async def run(self, num_chars: int, work: Callable[[], _T], what: str = "the text is") -> _T:
+        """``work()`` (which uses the tokenizer) on the validation thread, queued as a prompt of ``num_chars``
+        characters: refused the same way past ``max_prompt_chars`` (``ValueError``) or a full backlog."""
+        self._check_chars(num_chars, what)
+        return await self._submit(self._reserve(max(num_chars, 1)), work)
+
+    async def _submit(self, size: int, work: Callable[[], _T]) -> _T:
         job: Future = Future()
         job.add_done_callback(lambda _: self._release(size))  # done, failed or dropped: once
-        self._jobs.put((size, next(self._order), job, request))
+        self._jobs.put((size, next(self._order), job, work))
         return await asyncio.wrap_future(job)  # a cancelled wrapper cancels the job if it has not started
 
     def close(self) -> None:
@@ -94,11 +110,15 @@ class ValidationQueue:
             size = len(request.token_ids.ids)
         else:
             size = len(request.text) if kind == "text" else sum(len(m.content) for m in request.chat.messages)
-            if size > self.max_prompt_chars:
-                what = "prompt text is" if kind == "text" else "chat messages' contents are"
-                raise ValueError(f"{what} {size} characters long; no text longer than {self.max_prompt_chars} "
-                                 f"characters fits the model's context of {self.max_context} tokens")  # fmt: skip
-        size = max(size, 1)
+            self._check_chars(size, "prompt text is" if kind == "text" else "chat messages' contents are")
+        return self._reserve(max(size, 1))
+
+    def _check_chars(self, num_chars: int, what_is: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise ValueError(f"{what_is} {num_chars} characters long; no text longer than {self.max_prompt_chars} "
+                             f"characters fits the model's context of {self.max_context} tokens")  # fmt: skip
+
+    def _reserve(self, size: int) -> int:
         with self._lock:
             if self.backlog and self.backlog + size > self.max_backlog:
                 raise ValidationBusy(
@@ -114,12 +134,12 @@ class ValidationQueue:
 
     def _work(self) -> None:
         while True:
-            _, _, job, request = self._jobs.get()
+            _, _, job, work = self._jobs.get()
             if job is None:
                 return
             if not job.set_running_or_notify_cancel():
                 continue  # its client left while it waited
             try:
-                job.set_result(validate_generate(request, self.tokenizer, self.vocab_size, self.max_context))
+                job.set_result(work())
             except BaseException as err:  # the caller gets every failure
                 job.set_exception(err)

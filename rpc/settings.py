@@ -5,7 +5,8 @@ A process's options are one pydantic-settings model (built on ``rpc.settings.Set
 ``router.settings``, ...). From it, and from nothing written by hand:
 
 * each field ``name`` is a flag ``--name`` with ``_`` as ``-``; ``bool`` takes ``true|false`` (a bare flag
-  means true), a ``Literal`` shows its choices, ``list[str]`` repeats, ``X | None`` means "unset";
+  means true), a ``Literal`` shows its choices, ``list[str]`` takes one or more values and repeats,
+  ``X | None`` means "unset";
 * each field is also the environment variable ``KVSERVE_NAME`` (the model's ``env_prefix``): a flag wins
   over it, it wins over the field's default;
 * ``--help`` shows every flag's description, default and variable, in one group per model it comes from
@@ -80,7 +81,7 @@ def _argument(model_cls: type[BaseSettings], name: str) -> tuple[list[str], dict
     elif typing.get_origin(kind) is typing.Literal:
         options["metavar"] = "{" + ",".join(map(str, typing.get_args(kind))) + "}"
     elif typing.get_origin(kind) is list:
-        options |= {"action": "append", "help": options["help"][:-1] + ", a JSON list)"}
+        options |= {"action": "extend", "nargs": "+", "help": options["help"][:-1] + ", a JSON list)"}
     elif kind in (int, float):
         options["metavar"] = "N" if kind is int else "X"
     elif typing.get_origin(kind) is dict:

@@ -5,17 +5,18 @@ Each raises ``ValueError`` with a message that names the field, the limit and th
 send back as INVALID_ARGUMENT (HTTP 400). The rules:
 
 * ``request_id``: at most ``MAX_REQUEST_ID_CHARS`` characters (it is echoed in every streamed message);
-* prompt: exactly one of text, token ids or chat messages, not empty; text and chat contents at most
-  ``MAX_PROMPT_BYTES`` of UTF-8 before tokenizing (longer never fits a context we serve, and tokenizing
-  it would cost the router about a second per MiB); chat roles from ``CHAT_ROLES`` and fewer messages
-  than context tokens; token ids inside the vocabulary; fewer tokens than the model's context, so that
-  at least one can be generated;
+* prompt: exactly one of text, token ids or chat messages, not empty; text and chat contents (with the
+  fields beside them: ``message_fields``) at most ``MAX_PROMPT_BYTES`` of UTF-8 before tokenizing (longer
+  never fits a context we serve, and tokenizing it would cost the router about a second per MiB); chat roles
+  from ``CHAT_ROLES`` and fewer messages than context tokens; token ids inside the vocabulary; fewer tokens
+  than the model's context, so that at least one can be generated;
 * sampling: what ``SamplingParams.validate`` requires (finite numbers, temperature 0 or at least
   ``engine.sampling_params.MIN_TEMPERATURE``, top_p in (0, 1], repetition_penalty > 0, ...), plus at
   most ``MAX_STOP_STRINGS`` stop strings of at most ``MAX_STOP_CHARS`` characters and at most
   ``MAX_STOP_TOKEN_IDS`` stop token ids, all inside the vocabulary;
 * length: like vLLM and OpenAI, an explicit ``max_tokens`` that does not fit beside the prompt in the
-  context is refused rather than silently cut; an unset one defaults to 16, lowered to the room left. A
+  context is refused rather than silently cut; an unset one is, as vLLM's two endpoints have it, the rest of
+  the context for chat messages and 16 for text or token ids (lowered to the room left). A
   request that sets ``streaming_window`` (StreamingLLM: its KV stays the same size however long it runs)
   has no context bound on its prompt nor on ``max_tokens``; the worker checks its window against its block
   size and pool.
@@ -23,7 +24,9 @@ send back as INVALID_ARGUMENT (HTTP 400). The rules:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from typing import Any
 
 from jinja2 import TemplateError
 
@@ -38,21 +41,28 @@ MAX_PROMPT_BYTES = 1 << 20  # 128 bytes per token of an 8k context; the bundled 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256  # the engine checks every new token against this list
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def validate_generate(
-    request: pb.GenerateRequest, tokenizer: Tokenizer | None, vocab_size: int, max_context: int
+    request: pb.GenerateRequest,
+    tokenizer: Tokenizer | None,
+    vocab_size: int,
+    max_context: int,
+    message_fields: Sequence[dict[str, Any]] | None = None,
 ) -> tuple[list[int], SamplingParams]:
-    """A public request's prompt token ids and its ``SamplingParams``, or ``ValueError``.
+    """A public request's prompt token ids and its ``SamplingParams``, or ``ValueError``. ``message_fields``:
+    per chat message, what its template gets beside the role and content, which ``pb.ChatMessage`` does not
+    carry (the HTTP door's ``tool_calls``, ``tool_call_id`` and ``name``).
 
     Tokenizing may take a while for long text: call it off the event loop.
     """
     validate_request_id(request.request_id)
     if is_streaming(request.sampling):
         max_context = UNBOUNDED
-    ids = validate_token_ids(_prompt_ids(request, tokenizer, max_context), vocab_size, max_context)
-    return ids, validate_sampling(request.sampling, vocab_size, len(ids), max_context)
+    ids = validate_token_ids(_prompt_ids(request, tokenizer, max_context, message_fields), vocab_size, max_context)
+    chat = request.WhichOneof("prompt") == "chat"
+    return ids, validate_sampling(request.sampling, vocab_size, len(ids), max_context, fill_context=chat)
 
 
 def is_streaming(opts: pb.SamplingOptions) -> bool:
@@ -78,9 +88,14 @@ def validate_token_ids(ids: Sequence[int], vocab_size: int, max_context: int) ->
 
 
 def validate_sampling(
-    opts: pb.SamplingOptions, vocab_size: int, num_prompt_tokens: int = 0, max_context: int | None = None
+    opts: pb.SamplingOptions,
+    vocab_size: int,
+    num_prompt_tokens: int = 0,
+    max_context: int | None = None,
+    fill_context: bool = False,
 ) -> SamplingParams:
-    """``opts`` as ``SamplingParams``; with ``max_context``, the prompt and ``max_tokens`` must fit in it."""
+    """``opts`` as ``SamplingParams``; with ``max_context``, the prompt and ``max_tokens`` must fit in it, and
+    an unset ``max_tokens`` is the room left when ``fill_context``, else at most ``SamplingParams``' 16."""
     if len(opts.stop) > MAX_STOP_STRINGS:
         raise ValueError(f"{len(opts.stop)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
     long = [i for i, s in enumerate(opts.stop) if len(s) > MAX_STOP_CHARS]
@@ -94,14 +109,15 @@ def validate_sampling(
     if max_context is not None and not is_streaming(opts):
         room = max_context - num_prompt_tokens
         if not opts.HasField("max_tokens"):
-            params.max_tokens = min(params.max_tokens, room)
+            params.max_tokens = room if fill_context else min(params.max_tokens, room)
         elif params.max_tokens > room:
             raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceed the "
                              f"model's context of {max_context} tokens; ask for at most {room} new tokens")  # fmt: skip
     return params
 
 
-def _prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, max_context: int) -> Sequence[int]:
+def _prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, max_context: int,
+                message_fields: Sequence[dict[str, Any]] | None) -> Sequence[int]:  # fmt: skip
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise ValueError("the request has no prompt: set text, token_ids or chat")
@@ -122,11 +138,39 @@ def _prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, max_co
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
             raise ValueError(f"chat message {i} has role {m.role[:32]!r}; use one of {list(CHAT_ROLES)}")
-    _check_prompt_bytes(sum(len(m.content.encode()) for m in messages), "chat messages' contents are")
+    fields = message_fields or [{}] * len(messages)
+    pairs = list(zip(messages, fields, strict=True))
+    num_bytes = sum(len(m.content.encode()) + (len(json.dumps(f)) if f else 0) for m, f in pairs)
+    _check_prompt_bytes(num_bytes, "chat messages' contents are")
+    chat = [{"role": m.role, "content": m.content} | f for m, f in pairs]
+    return encode_chat(tokenizer, chat)
+
+
+def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                add_special_tokens: bool = False) -> list[int]:  # fmt: skip
+    """Chat messages' token ids, rendered by the model's chat template (``template_messages``); ``ValueError``
+    when the template refuses them."""
     try:
-        return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
+        text = tokenizer.apply_chat_template(template_messages(messages, str(tokenizer.hf.chat_template or "")),
+                                             add_generation_prompt)  # fmt: skip
     except TemplateError as err:
         raise ValueError(f"the model's chat template refused these messages: {err}") from err
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def template_messages(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
+    """``messages`` as ``template`` gets them: where it does not render ``tool_calls`` (SmolLM2's does not), an
+    assistant message's tool calls are written into its content too, one OpenAI function object of JSON a
+    line, so that the model still sees what it called. A template that knows them gets them as they came."""
+    if "tool_calls" in template:
+        return messages
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = "\n".join(json.dumps(c["function"], ensure_ascii=False) for c in m["tool_calls"])
+            m = m | {"content": "\n".join(filter(None, [m["content"], calls]))}
+        out.append(m)
+    return out
 
 
 def _check_prompt_bytes(num_bytes: int, what_is: str) -> None:

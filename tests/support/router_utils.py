@@ -13,24 +13,28 @@ from router.server import Router
 from rpc.loop import AsyncioThread
 
 
-def new_router(model_dir, decode_addresses: list[str], registry: Registry | None = None) -> Router:
+def new_router(model_dir, decode_addresses: list[str], registry: Registry | None = None,
+               max_model_len: int | None = None) -> Router:  # fmt: skip
+    """A router over ``model_dir``'s model; ``max_model_len`` as its flag (default: the model's context)."""
     config = ModelConfig.from_dir(model_dir)
-    return Router(Tokenizer(model_dir), config.vocab_size, config.max_context, TEST_SECURITY, registry,
-                  decode_addresses)  # fmt: skip
+    return Router(Tokenizer(model_dir), config.vocab_size, max_model_len or config.max_context, TEST_SECURITY,
+                  registry, decode_addresses)  # fmt: skip
 
 
 class RouterStack:
     """A decode worker (``num_blocks`` of 16 tokens, local prefill) and a router that knows only it, sharing
-    one event-loop thread. ``address`` is the router's; ``stop()`` ends everything it started."""
+    one event-loop thread, both with ``max_model_len`` when given. ``address`` is the router's; ``stop()`` ends
+    everything it started."""
 
-    def __init__(self, model_dir, num_blocks: int = 64, max_waiting: int = 64) -> None:
+    def __init__(self, model_dir, num_blocks: int = 64, max_waiting: int = 64, max_model_len: int | None = None
+                 ) -> None:  # fmt: skip
         self.aio = AsyncioThread()
-        self.engine = LLMEngine(model="default", num_blocks=num_blocks, block_size=16)
+        self.engine = LLMEngine(model="default", num_blocks=num_blocks, block_size=16, max_model_len=max_model_len)
         self.worker = DecodeWorker(self.engine, "decode-0", "127.0.0.1:0", self.aio, TEST_SECURITY,
                                    max_waiting=max_waiting)  # fmt: skip
         self.worker.loop.start()
         self.decode = InProcessServer({"Decode": self.worker}, aio=self.aio)
-        self.router = new_router(model_dir, [self.decode.address])
+        self.router = new_router(model_dir, [self.decode.address], max_model_len=max_model_len)
         self.front = InProcessServer({"Inference": self.router}, aio=self.aio)
         self.address = self.front.address
 

@@ -11,6 +11,8 @@ from decode_service.prefill_client import REFRESH_S
 from kvserve.launcher.cluster import WORKER_VIEWS_SETTLE_S
 from kvserve.launcher.plan import ExtraArgv, plan_cluster, threads_per_worker
 from kvserve.settings import UpSettings, parse_up
+from router.settings import RouterSettings
+from rpc.settings import parse_settings
 
 
 def _flag(argv: tuple[str, ...], name: str) -> list[str]:
@@ -48,6 +50,15 @@ def test_each_role_gets_its_options_and_nothing_else():
     assert _flag(router.argv, "--model") == ["default"] and _flag(router.argv, "--stream-idle-timeout") == ["4.0"]
     assert "--num-blocks" not in router.argv and _flag(router.argv, "--http-port") == ["0"]
     assert plan.http_endpoint is None
+
+
+def test_the_router_gets_the_served_names_and_the_workers_context():
+    up = parse_up(["--max-model-len", "512", "--served-model-name", "smol", "smol-instruct"])
+    decode, prefill, router = plan_cluster(up).children
+    settings = parse_settings(RouterSettings, list(router.argv[3:]))
+    assert settings.served_model_name == ["smol", "smol-instruct"] and settings.max_model_len == 512
+    for worker in (decode, prefill):
+        assert _flag(worker.argv, "--max-model-len") == ["512"] and "--served-model-name" not in worker.argv
 
 
 def test_tls_flags_serve_the_routers_public_port_only(tmp_path):

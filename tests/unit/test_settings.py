@@ -67,6 +67,8 @@ def test_booleans_take_true_or_false_and_a_bare_flag_means_true():
         "a:1",
         "b:2",
     ]
+    names = ["--served-model-name", "a", "b", "--served-model-name", "c"]  # vLLM's spelling, and repeated
+    assert parse_settings(RouterSettings, names).served_model_name == ["a", "b", "c"]
 
 
 def test_the_registry_url_comes_from_its_variable_where_its_password_belongs(monkeypatch):

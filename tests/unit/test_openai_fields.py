@@ -1,0 +1,141 @@
+"""The HTTP API's request bodies (``router.openai_protocol``, ``router.openai_fields``): OpenAI's fields kvserve
+does not implement are refused, naming the field, unless their value asks for nothing; harmless ones and
+unknown ones are accepted (an unknown one logged once); chat messages of the developer and tool roles and
+assistant tool calls become what the chat template renders; a chat without max_tokens may fill the context."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from engine.tokenizer import Tokenizer
+from protos.kvserve.v1 import kvserve_pb2 as pb
+from router import openai_fields
+from router.openai_fields import UNSERVED, FieldError
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from rpc.validation import encode_chat, template_messages, validate_sampling
+
+USER = {"role": "user", "content": "Weather in Paris?"}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+TOOL_TURN = [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]  # fmt: skip
+
+
+def _completion(**fields) -> CompletionRequest:
+    return CompletionRequest(prompt="hi", **fields)
+
+
+def _chat(messages=(USER,), **fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=list(messages), **fields)
+
+
+@pytest.mark.parametrize("fields", [
+    {"n": 1}, {"best_of": 1}, {"echo": False}, {"suffix": ""}, {"logprobs": False}, {"logprobs": None},
+    {"top_logprobs": 0}, {"presence_penalty": 0}, {"frequency_penalty": 0.0}, {"logit_bias": {}},
+    {"response_format": {"type": "text"}}, {"tools": []}, {"tool_choice": "none"}, {"tool_choice": "auto"},
+    {"parallel_tool_calls": True}, {"functions": []}, {"function_call": "none"}, {"modalities": ["text"]},
+    {"audio": None}, {"verbosity": "medium"},
+    {"user": "u-1", "metadata": {"k": "v"}, "store": True, "service_tier": "flex", "prompt_cache_key": "k"},
+])  # fmt: skip
+def test_values_that_ask_for_nothing_are_accepted(fields):
+    _completion(**fields).check_fields()
+    _chat(**fields).check_fields()
+
+
+@pytest.mark.parametrize("name, value", [
+    ("n", 2), ("best_of", 3), ("echo", True), ("suffix", "!"), ("logprobs", True), ("logprobs", 0),
+    ("logprobs", 5), ("top_logprobs", 2), ("presence_penalty", 0.5), ("frequency_penalty", -1),
+    ("logit_bias", {"50256": -100}), ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
+    ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("audio", {"voice": "alloy"}),
+    ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
+    ("reasoning_effort", "low"), ("verbosity", "high"), ("web_search_options", {}),
+])  # fmt: skip
+def test_unimplemented_behaviour_is_refused_naming_the_field(name, value):
+    assert name in UNSERVED
+    for body in (_completion(**{name: value}), _chat(**{name: value})):
+        with pytest.raises(FieldError, match=f"^{name}=") as err:
+            body.check_fields()
+        assert err.value.param == name
+
+
+def test_an_unknown_field_is_ignored_and_logged_once(caplog, monkeypatch):
+    monkeypatch.setattr(openai_fields, "_logged_names", set())
+    with caplog.at_level(logging.WARNING, logger="router.openai_fields"):
+        for _ in range(3):
+            _chat(min_p=0.1, guided_json={"type": "object"}, top_k=5).check_fields()
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 2 and "'min_p'" in logged[0] and "'guided_json'" in logged[1]  # top_k is served
+
+
+def test_the_set_of_logged_names_is_bounded(monkeypatch):
+    monkeypatch.setattr(openai_fields, "_logged_names", set())
+    _completion(**{f"x{i}": 1 for i in range(openai_fields.MAX_LOGGED_NAMES + 10)}).check_fields()
+    assert len(openai_fields._logged_names) == openai_fields.MAX_LOGGED_NAMES
+
+
+def test_developer_is_system_and_tool_messages_reach_the_template():
+    chat = _chat([{"role": "developer", "content": "Be brief."}, *TOOL_TURN])
+    messages = chat.to_proto("r").chat.messages
+    assert [(m.role, m.content) for m in messages] == [("system", "Be brief."), ("user", USER["content"]),
+                                                        ("assistant", ""), ("tool", "18 C, sunny")]  # fmt: skip
+    assert chat.message_fields() == [{}, {}, {"tool_calls": [CALL]}, {"tool_call_id": "call_1"}]
+    assert _chat().message_fields() is None
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([USER, {"role": "tool", "content": "18 C"}], "messages.1.tool_call_id"),
+    ([{"role": "user", "content": None}], "messages.0.content"),
+    ([{"role": "assistant"}], "messages.0.content"),  # no content and no tool calls
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages.0.content"),
+    ([], "messages"),
+])  # fmt: skip
+def test_bad_messages_are_refused_naming_the_field(messages, param):
+    with pytest.raises(FieldError) as err:
+        chat = _chat(messages)
+        chat.to_proto("r")
+        chat.message_fields()
+    assert err.value.param == param
+
+
+def test_a_template_without_tool_calls_gets_them_as_text():
+    messages = [{"role": "assistant", "content": "", "tool_calls": [CALL]}]
+    assert template_messages(messages, "{{ message['content'] }}")[0]["content"] == (
+        '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}'
+    )
+    assert template_messages(messages, "{% for c in message.tool_calls %}") == messages
+
+
+def test_the_bundled_template_renders_tool_and_developer_messages(model_dir):
+    tokenizer = Tokenizer(model_dir)
+    chat = _chat([{"role": "developer", "content": "Be brief."}, *TOOL_TURN])
+    messages = [{"role": m.role, "content": m.content} | f
+                for m, f in zip(chat.to_proto("r").chat.messages, chat.message_fields(), strict=True)]  # fmt: skip
+    text = tokenizer.decode(encode_chat(tokenizer, messages), skip_special_tokens=False)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+                    '<|im_start|>assistant\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}'
+                    "<|im_end|>\n<|im_start|>tool\n18 C, sunny<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+
+
+def test_a_template_that_knows_tool_calls_renders_them_itself(model_dir):
+    from pathlib import Path
+
+    tokenizer = Tokenizer(model_dir)
+    tokenizer.hf.chat_template = (Path(__file__).parents[1] / "support/chat_templates/qwen3.jinja").read_text()
+    text = tokenizer.decode(encode_chat(tokenizer, [USER, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                                                    TOOL_TURN[2]]), skip_special_tokens=False)  # fmt: skip
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in text
+
+
+def test_an_unset_max_tokens_fills_the_context_for_chat_only():
+    opts = pb.SamplingOptions()
+    assert validate_sampling(opts, 1000, num_prompt_tokens=30, max_context=100, fill_context=True).max_tokens == 70
+    assert validate_sampling(opts, 1000, num_prompt_tokens=30, max_context=100).max_tokens == 16
+    assert validate_sampling(opts, 1000, num_prompt_tokens=90, max_context=100).max_tokens == 10
+    opts.max_tokens = 70  # exactly the rest of the context: accepted
+    assert validate_sampling(opts, 1000, num_prompt_tokens=30, max_context=100).max_tokens == 70
+    opts.max_tokens = 71
+    with pytest.raises(ValueError, match="ask for at most 70 new tokens"):
+        validate_sampling(opts, 1000, num_prompt_tokens=30, max_context=100)
