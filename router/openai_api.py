@@ -38,6 +38,7 @@ from engine.sampling_params import check_token_ids
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from router import openai_protocol as api
 from router.limits import FrontDoor, HttpFrontDoor
+from router.openai_logprobs import Choice, TokenText
 from router.openai_fields import FieldError
 from router.server import RouteError, Router
 from router.validation_queue import ValidationBusy
@@ -135,12 +136,16 @@ async def _serve(router: Router, model: str, body: api.CompletionRequest | api.C
         message_fields = body.message_fields() if isinstance(body, api.ChatCompletionRequest) else None
     except ValueError as err:
         return _error(grpc.StatusCode.INVALID_ARGUMENT, str(err), getattr(err, "param", None))
+    try:
+        choice = await _choice(router, body, proto, chat)
+    except ValueError as err:
+        return _error(grpc.StatusCode.INVALID_ARGUMENT, str(err), "prompt")
     stream = router.generate(proto, message_fields=message_fields)
     try:
         if not body.stream:
-            text, last = await _unless_gone(request, _collect(stream))
+            text, last, logprobs = await _unless_gone(request, _collect(stream, choice))
             await stream.aclose()
-            return JSONResponse(api.completion(request_id, model, chat, text, last))
+            return JSONResponse(api.completion(request_id, model, chat, text, last, logprobs))
         first = await _unless_gone(request, anext(stream, None))
     except RouteError as err:
         await stream.aclose()
@@ -148,7 +153,7 @@ async def _serve(router: Router, model: str, body: api.CompletionRequest | api.C
     except _ClientGone:
         await stream.aclose()  # cancels the decode call: its blocks are freed
         return Response(status_code=_CLIENT_GONE)
-    events = cancel_when_stalled(_events(stream, first, request_id, model, chat, body.include_usage),
+    events = cancel_when_stalled(_events(stream, first, request_id, model, choice, body.include_usage),
                                  router.stream_idle_timeout_s, f"HTTP {request_id}")  # fmt: skip
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -205,29 +210,52 @@ async def _detokenize(router: Router, body: api.DetokenizeRequest) -> Response:
     return JSONResponse({"prompt": text})
 
 
-async def _collect(stream: AsyncIterator[pb.GenerateResponse]) -> tuple[str, pb.GenerateResponse]:
-    texts, last = [], pb.GenerateResponse()
+async def _choice(router: Router, body: api.CompletionRequest | api.ChatCompletionRequest, proto: pb.GenerateRequest,
+                  chat: bool) -> Choice:  # fmt: skip
+    """How the answer's pieces are shown: with the prompt first (completions' ``echo``: as sent, token ids
+    decoded), with log-probabilities when asked."""
+    echo = None
+    if not chat and body.echo:
+        kind = proto.WhichOneof("prompt")
+        if kind == "text":
+            echo = proto.text
+        elif router.tokenizer is None:
+            raise ValueError("echo of token ids needs the model's tokenizer, and this router runs without one")
+        else:
+            ids = list(proto.token_ids.ids)
+            echo = await router.run_tokenizer(len(ids), lambda: router.tokenizer.decode(ids))
+    logprobs = proto.sampling.HasField("logprobs")
+    return Choice(chat, TokenText(router.tokenizer), logprobs, echo)
+
+
+async def _collect(stream: AsyncIterator[pb.GenerateResponse], choice: Choice
+                   ) -> tuple[str, pb.GenerateResponse, dict[str, Any] | None]:  # fmt: skip
+    texts, logprobs, last = [], [], pb.GenerateResponse()
     async for msg in stream:
-        texts.append(msg.text)
+        text, piece = choice.piece(msg)
+        texts.append(text)
+        logprobs.append(piece)
         last = msg
-    return "".join(texts), last
+    return "".join(texts), last, choice.join(logprobs)
 
 
 async def _events(stream: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse | None, request_id: str,
-                  model: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
+                  model: str, choice: Choice, include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
     """SSE events: one per router message, the usage event when asked, ``[DONE]``. Starlette cancels this
     generator when the client disconnects; closing ``stream`` then cancels the decode call."""
     async with aclosing(stream):
         msg, last = first, first
         try:
             while msg is not None:
-                yield _sse(api.chunk(request_id, model, chat, msg.text, msg.finish_reason or None, msg is first))
+                text, logprobs = choice.piece(msg)
+                yield _sse(api.chunk(request_id, model, choice.chat, text, msg.finish_reason or None, msg is first,
+                                     logprobs=logprobs))  # fmt: skip
                 last, msg = msg, await anext(stream, None)
         except RouteError as err:
             yield _sse(api.error(err.code, err.details)[1])
         else:
             if include_usage and last is not None:
-                yield _sse(api.chunk(request_id, model, chat, "", None, False, usage_of=last))
+                yield _sse(api.chunk(request_id, model, choice.chat, "", None, False, usage_of=last))
     yield "data: [DONE]\n\n"
 
 

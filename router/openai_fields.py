@@ -27,13 +27,7 @@ log = logging.getLogger(__name__)
 UNSERVED: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "best_of": (1,),
-    "echo": (False,),
     "suffix": ("",),
-    "logprobs": (False,),  # chat: a bool; completions: a count, where 0 still asks for the sampled token's
-    "top_logprobs": (0,),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "logit_bias": ({},),
     "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none", "auto"),  # with no tools, "auto" calls none

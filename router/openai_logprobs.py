@@ -23,16 +23,19 @@ class Decoder(Protocol):
 
 
 class TokenText:
-    """Token id -> its string, memoized (a stream asks for the same alternatives again and again)."""
+    """Token id -> its string, memoized (a stream asks for the same alternatives again and again); without a
+    tokenizer (``--skip-tokenizer-init``), ``"token_id:<id>"``, as vLLM spells a token it cannot show."""
 
-    def __init__(self, tokenizer: Decoder) -> None:
+    def __init__(self, tokenizer: Decoder | None) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            text = self._cache[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            text = (f"token_id:{token_id}" if self._tokenizer is None
+                    else self._tokenizer.decode([token_id], skip_special_tokens=False))  # fmt: skip
+            self._cache[token_id] = text
         return text
 
 
@@ -84,3 +87,36 @@ def chat_content(text_of: TokenText, entries: Iterable[pb.TokenLogprob]) -> list
 
     return [one(e.token_id, e.logprob) | {"top_logprobs": [one(t.token_id, t.logprob) for t in e.top]}
             for e in entries]  # fmt: skip
+
+
+class Choice:
+    """One choice's pieces, message after message: its text (after the echoed prompt, for completions with
+    ``echo``) and its log-probabilities in the endpoint's shape (None when the request asked for none)."""
+
+    def __init__(self, chat: bool, text_of: TokenText, logprobs: bool, echo: str | None = None) -> None:
+        self.chat, self.logprobs, self.echo = chat, logprobs, echo
+        self._text_of = text_of
+        self._completion = CompletionLogprobs(text_of)
+        self._first = True
+
+    def piece(self, msg: pb.GenerateResponse) -> tuple[str, dict[str, Any] | None]:
+        """(text, log-probabilities) of ``msg``."""
+        text, first = msg.text, self._first
+        self._first = False
+        if first and self.echo is not None:
+            text = self.echo + text
+        if not self.logprobs:
+            return text, None
+        if self.chat:
+            return text, {"content": chat_content(self._text_of, msg.logprobs)}
+        parts = [self._completion.add(*prompt_entries(msg))] if first and msg.prompt_token_ids else []
+        parts.append(self._completion.add(msg.token_ids, msg.logprobs))
+        return text, merge(parts)
+
+    def join(self, pieces: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+        """The log-probabilities of a whole answer from its pieces'."""
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return {"content": [entry for piece in pieces for entry in piece["content"]]}
+        return merge(pieces)

@@ -4,7 +4,9 @@ usage, errors).
 
 Field names follow OpenAI and vLLM: ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``,
 ``top_p``, ``top_k``, ``seed``, ``stop`` (a string or a list), ``stop_token_ids``, ``ignore_eos``,
-``repetition_penalty``, kvserve's StreamingLLM options ``streaming_window`` and ``streaming_sinks``, and
+``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``min_tokens``, ``min_p``, ``logit_bias``,
+log-probabilities (completions: ``logprobs`` k and ``echo``; chat: ``logprobs`` and ``top_logprobs``; both:
+vLLM's ``prompt_logprobs``), kvserve's StreamingLLM options ``streaming_window`` and ``streaming_sinks``, and
 ``speculative`` (false: no speculative decoding for this request). Fields declared nowhere here go to
 ``router.openai_fields``: OpenAI's that kvserve does not implement are refused unless their value asks for
 nothing, the rest are ignored.
@@ -67,15 +69,24 @@ class _Common(_Body):
     streaming_window: int | None = None
     streaming_sinks: int | None = None
     speculative: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_tokens: int | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's log-probabilities, without echoing it
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    def sampling(self, max_tokens: int | None) -> dict[str, Any]:
+    def sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> dict[str, Any]:
         return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                 "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
                 "ignore_eos": self.ignore_eos, "repetition_penalty": self.repetition_penalty,
                 "streaming_window": self.streaming_window, "streaming_sinks": self.streaming_sinks,
-                "speculative": self.speculative}  # fmt: skip
+                "speculative": self.speculative, "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "min_tokens": self.min_tokens, "min_p": self.min_p,
+                "logit_bias": _token_bias(self.logit_bias), "logprobs": logprobs,
+                "prompt_logprobs": self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs}  # fmt: skip
 
     @property
     def include_usage(self) -> bool:
@@ -84,10 +95,17 @@ class _Common(_Body):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: bool | int | None = None  # each token's and its k most likely alternatives (k <= 20); false: none
+    echo: bool | None = None  # the prompt before the completion, with its log-probabilities when logprobs is set
 
     def to_proto(self, request_id: str) -> pb.GenerateRequest:
         """Raises ``ValueError`` for what protobuf cannot hold (a batch of prompts, an int past 32 bits)."""
-        return _build(_one_prompt(self.prompt), request_id, self.sampling(self.max_tokens))
+        if self.logprobs is True:
+            raise FieldError("logprobs", "logprobs of a completion is a count of alternatives (0 to 20), not true")
+        logprobs = None if self.logprobs is False else self.logprobs
+        prompt_logprobs = logprobs if self.echo else None
+        return _build(_one_prompt(self.prompt), request_id, self.sampling(self.max_tokens, logprobs,
+                                                                          prompt_logprobs))  # fmt: skip
 
 
 class ContentPart(BaseModel):
@@ -138,6 +156,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None  # with logprobs: that many alternatives per token (<= 20)
 
     def to_proto(self, request_id: str) -> pb.GenerateRequest:
         """Unset ``max_tokens``: the router gives a chat the rest of the context (``rpc.validation``)."""
@@ -145,7 +165,10 @@ class ChatCompletionRequest(_Common):
             raise FieldError("messages", "messages is empty")
         messages = [{"role": _ROLE_AS.get(m.role, m.role), "content": m.text(i)} for i, m in enumerate(self.messages)]
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return _build(messages, request_id, self.sampling(max_tokens))
+        if self.top_logprobs and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return _build(messages, request_id, self.sampling(max_tokens, logprobs, None))
 
     def message_fields(self) -> list[dict[str, Any]] | None:
         """Per message, what the chat template gets beside role and content; None when no message has any."""
@@ -182,6 +205,18 @@ def _one_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | 
     return prompt
 
 
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (JSON object keys are strings) with token-id keys; ``FieldError`` for a key that
+    is not one."""
+    if bias is None:
+        return None
+    try:
+        return {int(key): value for key, value in bias.items()}
+    except ValueError:
+        bad = next(key for key in bias if not key.lstrip("-").isdigit())
+        raise FieldError("logit_bias", f"logit_bias key {bad[:32]!r} is not a token id") from None
+
+
 def _build(prompt, request_id: str, sampling: dict[str, Any]) -> pb.GenerateRequest:
     try:
         return build_request(prompt, request_id=request_id, **sampling)
@@ -196,27 +231,28 @@ def usage(msg: pb.GenerateResponse) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}  # fmt: skip
 
 
-def completion(request_id: str, model: str, chat: bool, text: str, last: pb.GenerateResponse) -> dict[str, Any]:
+def completion(request_id: str, model: str, chat: bool, text: str, last: pb.GenerateResponse,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """The whole answer (``stream`` false)."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None}
+        choice = {"index": 0, "text": text, "logprobs": logprobs}
     choice["finish_reason"] = last.finish_reason or None
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice], "usage": usage(last)}  # fmt: skip
 
 
 def chunk(request_id: str, model: str, chat: bool, text: str, finish_reason: str | None, first: bool,
-          usage_of: pb.GenerateResponse | None = None) -> dict[str, Any]:  # fmt: skip
+          usage_of: pb.GenerateResponse | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """One streamed event; with ``usage_of``, the closing usage event (no choices), as OpenAI sends it."""
     if usage_of is not None:
         choices = []
     elif chat:
         delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason}]
+        choices = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     else:
-        choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+        choices = [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
     body = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices}  # fmt: skip
     if usage_of is not None:

@@ -15,7 +15,8 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 API_KEY_ENV = "KVSERVE_API_KEY"  # the router's API key, and the one its clients send by default
 Prompt = str | list[int] | list[dict[str, str]]
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "streaming_window",
-             "streaming_sinks", "speculative")  # fmt: skip
+             "streaming_sinks", "speculative", "presence_penalty", "frequency_penalty", "min_tokens", "min_p",
+             "logprobs", "prompt_logprobs")  # fmt: skip
 
 
 def build_request(
@@ -33,17 +34,23 @@ def build_request(
     streaming_window: int | None = None,
     streaming_sinks: int | None = None,
     speculative: bool | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    min_tokens: int | None = None,
+    min_p: float | None = None,
+    logit_bias: dict[int, float] | None = None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
     request_id: str = "",
 ) -> pb.GenerateRequest:
     """``prompt`` is text, token ids or chat messages (``{"role", "content"}`` dicts); ``None`` options stay
-    unset, so the server applies its defaults."""
-    values = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
-              "repetition_penalty": repetition_penalty, "streaming_window": streaming_window,
-              "streaming_sinks": streaming_sinks, "speculative": speculative}  # fmt: skip
+    unset, so the server applies its defaults (``engine.sampling_params.SamplingParams`` says what each does)."""
+    values = locals()
     sampling = pb.SamplingOptions(
         stop=[stop] if isinstance(stop, str) else list(stop or []),
         stop_token_ids=list(stop_token_ids or []),
         ignore_eos=ignore_eos,
+        logit_bias=logit_bias or {},
         **{name: values[name] for name in _OPTIONAL if values[name] is not None},
     )
     request = pb.GenerateRequest(request_id=request_id, sampling=sampling)

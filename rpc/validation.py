@@ -13,7 +13,8 @@ send back as INVALID_ARGUMENT (HTTP 400). The rules:
 * sampling: what ``SamplingParams.validate`` requires (finite numbers, temperature 0 or at least
   ``engine.sampling_params.MIN_TEMPERATURE``, top_p in (0, 1], repetition_penalty > 0, ...), plus at
   most ``MAX_STOP_STRINGS`` stop strings of at most ``MAX_STOP_CHARS`` characters and at most
-  ``MAX_STOP_TOKEN_IDS`` stop token ids, all inside the vocabulary;
+  ``MAX_STOP_TOKEN_IDS`` stop token ids, all inside the vocabulary, and at most ``MAX_LOGIT_BIAS`` logit_bias
+  entries, on token ids of the vocabulary;
 * length: like vLLM and OpenAI, an explicit ``max_tokens`` that does not fit beside the prompt in the
   context is refused rather than silently cut; an unset one is, as vLLM's two endpoints have it, the rest of
   the context for chat messages and 16 for text or token ids (lowered to the room left). A
@@ -41,6 +42,7 @@ MAX_PROMPT_BYTES = 1 << 20  # 128 bytes per token of an 8k context; the bundled 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256  # the engine checks every new token against this list
+MAX_LOGIT_BIAS = 1024  # entries: each is one more index in the sampler's step
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -104,6 +106,8 @@ def validate_sampling(
                          f"at most {MAX_STOP_CHARS} are allowed")  # fmt: skip
     if len(opts.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ValueError(f"{len(opts.stop_token_ids)} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+    if len(opts.logit_bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(opts.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
     params = sampling_from_proto(opts)
     params.validate(vocab_size)
     if max_context is not None and not is_streaming(opts):
