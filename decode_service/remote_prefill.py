@@ -36,7 +36,7 @@ from engine.sequence import Sequence
 from kvstore.kv_cache import KVCache
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from transfer.backend import LOCAL, Backend, Endpoint, choose_backend
-from transfer.nixl import NixlOffer
+from transfer.nixl_agent import NixlOffer
 
 log = logging.getLogger(__name__)
 S = RequestState

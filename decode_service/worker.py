@@ -42,10 +42,10 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc.loop import AsyncioThread, Loop
 from security.auth import Security
-from transfer import nixl
 from transfer.backend import Backend, Endpoint, nixl_installed
 from transfer.cuda_ipc import export_cuda_ipc
 from transfer.grpc_stream import KVReceiver
+from transfer.nixl_agent import NixlOffer
 
 log = logging.getLogger(__name__)
 S = RequestState
@@ -63,7 +63,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         if kv_transport == Backend.NIXL and not nixl_installed():
             raise RuntimeError("--kv-transport nixl needs NIXL: pip install 'kvserve[nixl]'")
         eager = kv_transport == Backend.NIXL
-        self.nixl = nixl.NixlOffer(runner.kv_cache, worker_id, eager) if nixl_installed() else None
+        self.nixl = NixlOffer(runner.kv_cache, worker_id, eager) if nixl_installed() else None
         self.endpoint = Endpoint(local_host_id(), str(runner.device), bool(shm_path),
                                  frozenset([Backend.NIXL] if self.nixl else []))  # fmt: skip
         pool = PoolOffer(worker_id, address, self.fingerprint, self.endpoint, runner.num_blocks, shm_path,

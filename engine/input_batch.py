@@ -125,9 +125,7 @@ def stage_step(
     logit_counts = 1 + num_proposed[sampled]
     num_tokens = int(counts.sum())
     width = max(len(s.block_table) for s in seqs)
-    rings = None  # (seqs, 4) kernel rows when some sequence attends over a window (``kvstore.ring``)
-    if any(s.ring is not None for s in seqs):
-        rings = np.array([FULL_RING_ROW if s.ring is None else s.ring.kernel_row() for s in seqs], dtype=np.int64)
+    rings = _ring_rows(seqs)
     host, dev, nbytes = buffer.views([
         ("input_ids", np.int64, (num_tokens,)),
         ("positions", np.int64, (num_tokens,)),
@@ -142,16 +140,8 @@ def stage_step(
     np.cumsum(counts, out=cu[1:])
     host["cu_seqlens_q"][:] = cu
     host["seq_lens"][:] = ends
-    # entries past a sequence's last block are never read, so rows are not cleared
-    tables, ids = host["block_tables"], host["input_ids"]
-    ids[:num_decodes] = [s.token_ids[s.num_computed_tokens] for s in seqs[:num_decodes]]
-    for i, seq in enumerate(seqs):
-        tables[i, : len(seq.block_table)] = seq.block_table
-        if i >= num_decodes:
-            if seq.spec_token_ids:  # its last token, then its proposals
-                ids[cu[i] : cu[i + 1]] = [*seq.token_ids[starts[i] :], *seq.spec_token_ids]
-            else:
-                ids[cu[i] : cu[i + 1]] = seq.token_ids[starts[i] : ends[i]]
+    tables = host["block_tables"]
+    _write_tokens_and_tables(host["input_ids"], tables, seqs, num_decodes, cu, starts, ends)
     rows = np.repeat(np.arange(num_seqs), counts)
     positions = np.arange(num_tokens) + (starts - cu[:-1])[rows]
     host["positions"][:] = positions
@@ -174,7 +164,29 @@ def stage_step(
         ring=ring,
     )
     return StepInputs(dev["input_ids"], dev["positions"], meta, dev["logit_rows"], sampled.tolist(),
-                      logit_counts.tolist())
+                      logit_counts.tolist())  # fmt: skip
+
+
+def _ring_rows(seqs: list[Sequence]) -> np.ndarray | None:
+    """(seqs, 4) kernel rows when some sequence attends over a window (``kvstore.ring``), else None."""
+    if all(s.ring is None for s in seqs):
+        return None
+    return np.array([FULL_RING_ROW if s.ring is None else s.ring.kernel_row() for s in seqs], dtype=np.int64)
+
+
+def _write_tokens_and_tables(ids: np.ndarray, tables: np.ndarray, seqs: list[Sequence], num_decodes: int,
+                             cu: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:  # fmt: skip
+    """Each sequence's new token ids (a decode's one token; a chunk's tokens, or a speculating sequence's last
+    token and its proposals) at ``ids[cu[i]:cu[i+1]]``, and its block table in row ``i`` of ``tables``."""
+    # entries past a sequence's last block are never read, so rows are not cleared
+    ids[:num_decodes] = [s.token_ids[s.num_computed_tokens] for s in seqs[:num_decodes]]
+    for i, seq in enumerate(seqs):
+        tables[i, : len(seq.block_table)] = seq.block_table
+        if i >= num_decodes:
+            if seq.spec_token_ids:  # its last token, then its proposals
+                ids[cu[i] : cu[i + 1]] = [*seq.token_ids[starts[i] :], *seq.spec_token_ids]
+            else:
+                ids[cu[i] : cu[i + 1]] = seq.token_ids[starts[i] : ends[i]]
 
 
 def _ranks(counts: np.ndarray) -> np.ndarray:

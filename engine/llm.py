@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from engine.llm_engine import LLMEngine, Prompt
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.requests import Prompt
 from engine.sampling_params import SamplingParams
 
 

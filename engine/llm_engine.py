@@ -1,11 +1,12 @@
 """The engine loop: requests in, one scheduled step at a time, outputs out.
 
-A request's life: ``add_request`` validates it, tokenizes it and queues a
-``Sequence`` (WAITING). Each ``step`` is the loop's one turn: schedule a batch
-(after the speculator's proposals, ``engine.speculative``), execute it, then
-process its outputs: keep a verify step's accepted run, append the sampled
-tokens (``engine.output_processor``, which says what ends a request) and free
-the blocks of whatever finished. ``abort`` ends a request at once and frees its blocks.
+A request's life: ``add_request`` validates and tokenizes it (``engine.requests``,
+which also picks the window it attends through) and queues a ``Sequence``
+(WAITING). Each ``step`` is the loop's one turn: schedule a batch (after the
+speculator's proposals, ``engine.speculative``), execute it, then process its
+outputs: keep a verify step's accepted run, append the sampled tokens
+(``engine.output_processor``, which says what ends a request) and free the
+blocks of whatever finished. ``abort`` ends a request at once and frees its blocks.
 Both workers drive an engine through exactly these three calls; what they do
 with KV outside this engine's pool (a prefill worker's hand-off, a decode
 worker's remote prefill) is their KV connector's business (``connect``,
@@ -30,7 +31,8 @@ from engine.logprobs import TokenLogprob
 from engine.model_runner import ExecutedStep, ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, StepError
-from engine.sampling_params import SamplingParams, check_token_ids
+from engine.requests import Prompt, RequestValidator
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.speculative import build_speculator, keep_accepted
@@ -38,9 +40,7 @@ from engine.tier_connector import build_tiers
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvstore import BlockManager
 from kvstore.layout import fingerprint
-from kvstore.ring import UNBOUNDED, RingSpec, check_streaming
-
-Prompt = str | list[int]
+from kvstore.ring import RingSpec
 
 
 class LLMEngine:
@@ -60,7 +60,9 @@ class LLMEngine:
                 f"{self.model_config.max_context} tokens"
             )
         self.max_model_len = self.runner.max_model_len  # within the pool too (see ModelRunner)
-        self.ring_for(SamplingParams())  # the engine's own streaming options fit this model and pool
+        self.requests = RequestValidator(self.config, self.model_config, self.tokenizer, self.max_model_len,
+                                         self.runner.num_blocks, self.runner.model_ring)  # fmt: skip
+        self.requests.ring_for(SamplingParams())  # the engine's own streaming options fit this model and pool
         self.prefix_salt = fingerprint(self.model_config.architecture, self.runner.kv_spec)
         caching, salt = self.config.enable_prefix_caching, self.prefix_salt
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_caching=caching, salt=salt)
@@ -90,62 +92,19 @@ class LLMEngine:
             connector = ConnectorChain([self.tiers, connector])
         self.connector = self.scheduler.connector = connector
 
-    # -- requests -----------------------------------------------------------------------------------------
-
-    def tokenize(self, prompt: Prompt, max_len: int | None = None) -> list[int]:
-        """Token ids of a prompt given as text or ids, validated against the model and the pool (or, with
-        ``max_len``, against that length: ``max_len_for``)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty: send at least one character or token id")
-            if self.tokenizer is None:
-                raise ValueError("this engine runs with skip_tokenizer_init: send token ids, not text")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            if not ids:
-                raise ValueError("prompt is empty: send at least one character or token id")
-            check_token_ids(ids, self.model_config.vocab_size, "prompt token ids")
-        if len(ids) >= (max_len or self.max_model_len):
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but at most {self.max_model_len - 1} fit "
-                f"(model context {self.model_config.max_context} tokens, KV pool "
-                f"{self.runner.num_blocks * self.config.block_size} tokens; one slot is kept for the answer)"
-            )
-        return ids
+    # -- requests (engine.requests) -----------------------------------------------------------------------
 
     def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
-        """Check a request without queueing it; return its prompt's token ids."""
-        params.validate(self.model_config.vocab_size)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this engine runs with skip_tokenizer_init")
-        return self.tokenize(prompt, self.max_len_for(params))
-
-    # -- windows (kvstore.ring) -----------------------------------------------------------------------------
+        """Check a request without queueing it; return its prompt's token ids (``RequestValidator.validate``)."""
+        return self.requests.validate(prompt, params)
 
     def ring_for(self, params: SamplingParams) -> RingSpec | None:
-        """The ring a request attends through: StreamingLLM's sinks + window when it (or, unset, the engine)
-        asks for a ``streaming_window``, else the model's own sliding window; None: a full cache.
-        ``ValueError`` when its options make no ring, or one the pool cannot hold."""
-        window = self.config.streaming_window if params.streaming_window is None else params.streaming_window
-        sinks = self.config.streaming_sinks if params.streaming_sinks is None else params.streaming_sinks
-        if not window:
-            return self.runner.model_ring
-        if self.runner.model_ring is not None:
-            raise ValueError(f"this model attends over a sliding window of {self.model_config.sliding_window} "
-                             "tokens already: send no streaming_window (or 0)")  # fmt: skip
-        check_streaming(window, sinks, self.config.block_size)
-        ring = RingSpec(sinks, window, self.config.block_size)
-        if ring.max_blocks > self.runner.num_blocks:
-            raise ValueError(f"streaming_window={window} with {sinks} sinks needs {ring.max_blocks} KV blocks "
-                             f"(window, sinks, one step's chunk); the pool has {self.runner.num_blocks}")  # fmt: skip
-        return ring
+        """The ring a request attends through, None for a full cache (``RequestValidator.ring_for``)."""
+        return self.requests.ring_for(params)
 
     def max_len_for(self, params: SamplingParams) -> int:
-        """The longest sequence a request may grow to: ``max_model_len``, except that a streaming one
-        (``streaming_window``) has no bound but its positions' integers."""
-        ring = self.ring_for(params)
-        return self.max_model_len if ring is None or ring == self.runner.model_ring else UNBOUNDED
+        """The longest sequence a request may grow to (``RequestValidator.max_len_for``)."""
+        return self.requests.max_len_for(params)
 
     def add_request(
         self,
@@ -172,7 +131,7 @@ class LLMEngine:
         continuation: Continuation | None = None,
     ) -> Sequence:
         params = params or SamplingParams()
-        ids = self.validate(prompt, params)
+        ids = self.requests.validate(prompt, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._sequences or self.block_manager.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -182,11 +141,11 @@ class LLMEngine:
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
             sampling_seed=self.runner.sampler.stream_seed(params.seed),
-            ring=self.ring_for(params),
+            ring=self.requests.ring_for(params),
         )
         if continuation is not None:
             check_continuation(continuation, seq.num_tokens, params, self.model_config.vocab_size,
-                               self.max_len_for(params))  # fmt: skip
+                               self.requests.max_len_for(params))  # fmt: skip
             resume(seq, continuation)
         return seq
 

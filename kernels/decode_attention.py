@@ -14,7 +14,7 @@ accumulator; the reduction kernel gives it weight 0. With one split the first
 kernel normalizes and writes the output itself and the reduction is skipped.
 ``num_splits`` is a runtime argument, so a heuristic that changes with the
 batch never triggers a recompile (only the reducer's power-of-two width is
-compiled in).
+compiled in). The tile configs and the split heuristic: ``decode_config``.
 
 Numerics: fp32 accumulation, scores in the log2 domain (``exp2``), INT8
 caches dequantized in registers (see ``tiles.attend_tile``). A sequence of
@@ -28,89 +28,13 @@ Without ``ring`` the kernel compiles exactly as before.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_args import check_inputs, check_ring, ring_args, scale_args
+from kernels.decode_config import choose_num_splits, count_sms, default_tile_config, kv_cache_dtype
 from kernels.tiles import LOG2E, attend_paged, attend_ring_paged, dot_precision, padded
-
-# Tile configs: (tokens per tile, num_warps, num_stages), keyed by (head_dim padded, KV cache dtype), where the
-# KV cache dtype is the engine's name for it: "auto" (the model's 16-bit dtype), "int8_v" or "int8".
-#
-# Measured: per GPU (``torch.cuda.get_device_name()``, or "sm_XY" for a whole architecture), the fastest
-# config of a ``python -m kvserve.bench.kernels --sweep`` on that GPU, which prints these entries ready to paste.
-_MEASURED_CONFIGS: dict[str, dict[tuple[int, str], tuple[int, int, int]]] = {
-    "NVIDIA H200": {
-        # 2026-11-30, batch 64, ctx 2048, 32:8: 138.8 us = 3.87 TB/s, against 180.5 us for (64, 4, 3).
-        (128, "auto"): (64, 4, 2),
-    },
-}
-# Not measured: chosen from what Triton 3.9 generates for sm_90 (no spills, cp.async loads, registers low
-# enough for 3+ programs per SM); used wherever the table above has no entry. Triton keeps one shared-memory
-# buffer per K/V tile here (the block-table load makes the K/V loads indirect), so load latency is hidden by
-# several resident programs per SM rather than by deep pipelining: a 16-bit tile pair is 32 KiB and uses ~96
-# registers per thread at 4 warps. INT8 tiles upcast in registers, which costs more of them, hence the
-# shorter tiles.
-_FALLBACK_CONFIGS = {
-    (64, "auto"): (128, 4, 3),
-    (128, "auto"): (64, 4, 3),
-    (256, "auto"): (32, 4, 3),
-    (64, "int8_v"): (64, 4, 3),
-    (64, "int8"): (64, 4, 3),
-    (128, "int8_v"): (32, 4, 3),
-    (128, "int8"): (32, 4, 3),
-}
-_DEFAULT_CONFIG = (32, 4, 2)
-_MAX_SPLITS = 64
-_PROGRAMS_PER_SM = 4  # enough loads in flight per SM; ~5 such programs fit on an SM (registers, smem)
-
-
-def kv_cache_dtype(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> str:
-    """The engine's name of a cache layout from which of K and V carry INT8 scales."""
-    return "int8" if k_scale is not None else "int8_v" if v_scale is not None else "auto"
-
-
-@functools.cache
-def gpu_keys(device: torch.device | None) -> tuple[str, ...]:
-    """The keys of ``_MEASURED_CONFIGS`` that may describe ``device``, most specific first (none off-GPU)."""
-    if device is None or device.type != "cuda":
-        return ()
-    major, minor = torch.cuda.get_device_capability(device)
-    return torch.cuda.get_device_name(device), f"sm_{major}{minor}"
-
-
-def default_tile_config(
-    head_dim: int, kv_dtype: str = "auto", device: torch.device | None = None
-) -> tuple[int, int, int]:
-    """(tokens per tile, num_warps, num_stages) for a head dim and KV cache dtype on ``device``: the measured
-    entry for that GPU when there is one, else the unmeasured fallback."""
-    key = (padded(head_dim), kv_dtype)
-    for gpu in gpu_keys(device):
-        if key in _MEASURED_CONFIGS.get(gpu, {}):
-            return _MEASURED_CONFIGS[gpu][key]
-    return _FALLBACK_CONFIGS.get(key, _DEFAULT_CONFIG)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors to fill; 1 off-GPU, where the interpreter runs programs one by one."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_tokens: int, num_sms: int) -> int:
-    """Splits per sequence so that ``num_seqs * num_kv_heads * splits`` programs fill the GPU in one wave.
-
-    Aims at ``_PROGRAMS_PER_SM`` programs per SM without exceeding it (rounding
-    down), because a partial second wave would leave most SMs idle at the end.
-    Never more splits than tiles in the longest sequence (each split should get
-    work) and never more than ``_MAX_SPLITS`` (bounds the reduction's tile).
-    """
-    wanted = _PROGRAMS_PER_SM * num_sms // (num_seqs * num_kv_heads)
-    return max(1, min(wanted, triton.cdiv(max_seq_len, tile_tokens), _MAX_SPLITS))
 
 
 @triton.jit
@@ -161,6 +85,13 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     RING: tl.constexpr,  # attend over sinks + window through a ring of blocks
 ):
+    """One program ``(seq, kv_head, split)``: the GQA group's queries over the split's keys (split 0 of a ring
+    first folds in the sinks), then the output (``SINGLE_SPLIT``) or the split's partials.
+
+    One function over 60 lines on purpose: half of it is the launch's argument list, and the body is one
+    program's straight line (load the queries, attend through ``tiles``' helpers, store) that more
+    ``@triton.jit`` helpers would only scatter, each taking the same ~30 pointers and strides.
+    """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -289,45 +220,29 @@ def paged_decode_attention(
     """
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if any(t.stride(-1) != 1 for t in (q, k_cache, v_cache, block_tables)):
-        raise ValueError("q, k_cache, v_cache and block_tables need a contiguous last dimension")
-    if ring is not None and (q_sink is None or q_sink.shape != q.shape or q_sink.stride(-1) != 1
-                             or ring.shape != (num_seqs, 4) or not ring.is_contiguous()):  # fmt: skip
-        raise ValueError("a ring needs q_sink shaped like q (contiguous last dimension) and a contiguous "
-                         "(num_seqs, 4) ring")  # fmt: skip
+    check_inputs(num_q_heads, num_kv_heads, (q, k_cache, v_cache, block_tables),
+                 "q, k_cache, v_cache and block_tables")  # fmt: skip
+    check_ring(q, q_sink, ring, num_seqs)
     group = num_q_heads // num_kv_heads
     head_dim_pad = padded(head_dim)
     tile_config = tile_config or default_tile_config(head_dim, kv_cache_dtype(k_scale, v_scale), q.device)
     tile_tokens, num_warps, num_stages = tile_config
     if num_splits is None:
         max_seq_len = block_tables.shape[1] * block_size
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_tokens, _num_sms(q.device))
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_tokens, count_sms(q.device))
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
-    if num_splits > 1:
-        part_acc = torch.empty(num_seqs, num_q_heads, num_splits, head_dim_pad, dtype=torch.float32, device=q.device)
-        part_max = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
-    else:
-        part_acc = part_max = part_sum = out  # unused placeholders
-    ks = k_scale if k_scale is not None else k_cache  # placeholders keep the argument list fixed
-    vs = v_scale if v_scale is not None else v_cache
-    ks_strides = k_scale.stride() if k_scale is not None else (0, 0, 0)
-    vs_strides = v_scale.stride() if v_scale is not None else (0, 0, 0)
-
+    part_acc, part_max, part_sum = _partials(out, num_splits, head_dim_pad)
+    ks, vs, ks_strides, vs_strides = scale_args(k_cache, v_cache, k_scale, v_scale)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, ks, vs, block_tables, seq_lens,
         out, part_acc, part_max, part_sum,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], *ks_strides, *vs_strides,
-        block_tables.stride(0),
-        q_sink if ring is not None else q, ring if ring is not None else seq_lens,  # placeholders without a ring
-        *(q_sink.stride()[:2] if ring is not None else (0, 0)),
+        block_tables.stride(0), *ring_args(q, q_sink, ring, seq_lens),
         GROUP=group, GROUP_PAD=padded(group), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=tile_tokens, SINGLE_SPLIT=num_splits == 1,
         K_INT8=k_scale is not None, V_INT8=v_scale is not None, DOT_PRECISION=dot_precision(q.dtype),
@@ -340,3 +255,14 @@ def paged_decode_attention(
             num_warps=4,
         )  # fmt: skip
     return out
+
+
+def _partials(out: torch.Tensor, num_splits: int, head_dim_pad: int) -> tuple[torch.Tensor, ...]:
+    """The splits' (unnormalized accumulators, maxes, sums), float32; with one split there are none and
+    ``out`` stands in for all three (never read)."""
+    if num_splits <= 1:
+        return out, out, out
+    num_seqs, num_q_heads, _ = out.shape
+    part_acc = torch.empty(num_seqs, num_q_heads, num_splits, head_dim_pad, dtype=torch.float32, device=out.device)
+    part_max = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=out.device)
+    return part_acc, part_max, torch.empty_like(part_max)

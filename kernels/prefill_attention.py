@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_args import check_inputs, check_ring, ring_args, scale_args
 from kernels.tiles import (
     LOG2E,
     attend_paged,
@@ -95,6 +96,13 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     RING: tl.constexpr,  # attend over sinks + window through a ring of blocks
 ):
+    """One program ``(seq, kv_head, tile)``: ``BLOCK_M`` query rows over the cached prefix, then over the new
+    tokens, causally (module docstring), and their output.
+
+    One function over 60 lines on purpose: a third of it is the launch's argument list, and the passes are
+    already calls of ``tiles``' helpers; cutting the ring's four passes into ``@triton.jit`` helpers of their
+    own would hand each the same ~35 pointers, strides and row vectors, and read no better.
+    """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     first_row = tl.program_id(2) * BLOCK_M
@@ -231,16 +239,11 @@ def paged_prefill_attention(
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if any(t.stride(-1) != 1 for t in (q, k, v, k_cache, v_cache, block_tables)):
-        raise ValueError("q, k, v, the caches and block_tables need a contiguous last dimension")
-    if ring is not None and (q_sink is None or q_sink.shape != q.shape or q_sink.stride(-1) != 1
-                             or ring.shape != (seq_lens.shape[0], 4) or not ring.is_contiguous()):  # fmt: skip
-        raise ValueError("a ring needs q_sink shaped like q (contiguous last dimension) and a contiguous "
-                         "(num_seqs, 4) ring")  # fmt: skip
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_seqs = seq_lens.shape[0]
+    check_inputs(num_q_heads, num_kv_heads, (q, k, v, k_cache, v_cache, block_tables),
+                 "q, k, v, the caches and block_tables")  # fmt: skip
+    check_ring(q, q_sink, ring, num_seqs)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_q_heads // num_kv_heads
@@ -248,10 +251,7 @@ def paged_prefill_attention(
     block_m, block_n, num_warps, num_stages = _CONFIGS.get(head_dim_pad, _DEFAULT_CONFIG)
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    ks = k_scale if k_scale is not None else k_cache  # placeholders keep the argument list fixed
-    vs = v_scale if v_scale is not None else v_cache
-    ks_strides = k_scale.stride() if k_scale is not None else (0, 0, 0)
-    vs_strides = v_scale.stride() if v_scale is not None else (0, 0, 0)
+    ks, vs, ks_strides, vs_strides = scale_args(k_cache, v_cache, k_scale, v_scale)
 
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_q_len * group, block_m))
     _prefill_kernel[grid](
@@ -259,9 +259,7 @@ def paged_prefill_attention(
         scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], *ks_strides, *vs_strides,
-        block_tables.stride(0),
-        q_sink if ring is not None else q, ring if ring is not None else seq_lens,  # placeholders without a ring
-        *(q_sink.stride()[:2] if ring is not None else (0, 0)),
+        block_tables.stride(0), *ring_args(q, q_sink, ring, seq_lens),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n,
         K_INT8=k_scale is not None, V_INT8=v_scale is not None, DOT_PRECISION=dot_precision(q.dtype),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -173,6 +173,15 @@ def main(argv: list[str] | None = None) -> None:
 
         _run(_up, parse_up(argv[1:]))
         return
+    parser = _parser(BENCHES)
+    args = parser.parse_args(argv)
+    if args.command in ("bench", "up"):
+        parser.error(f"use 'kvserve bench {'|'.join(BENCHES)} [options]' or 'kvserve up [options]'")
+    _run(args.func, args)
+
+
+def _parser(benches: Sequence[str]) -> argparse.ArgumentParser:
+    """The commands other than ``bench NAME`` and ``up``, which take their own flags (``main``)."""
     parser = argparse.ArgumentParser(prog="kvserve", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -195,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--model", default="default")
     demo.set_defaults(func=_demo)
 
-    sub.add_parser("bench", help=f"benchmarks: 'kvserve bench {'|'.join(BENCHES)} --help'")
+    sub.add_parser("bench", help=f"benchmarks: 'kvserve bench {'|'.join(benches)} --help'")
 
     sub.add_parser("up", help="start a local cluster: Redis, prefill and decode workers, router ('kvserve up --help')")
 
@@ -203,9 +212,10 @@ def main(argv: list[str] | None = None) -> None:
                                          "(containers: docker-compose.yml)")  # fmt: skip
     certs.add_argument("--out", required=True, help="the directory to write (mode 0700; DIR/ca keeps the CA)")
     certs.add_argument("--names", nargs="+", required=True, metavar="[ROLE:]NAME",
-                       help="the processes: router, decode-0, prefill-0, ... (a worker's id is its name)")
+                       help="the processes: router, decode-0, prefill-0, ... (a worker's id is its name)")  # fmt: skip
     certs.add_argument("--hosts", nargs="*", default=[],
-                       help="host names or IPs every certificate names too (127.0.0.1 and localhost always do)")
+                       help="host names or IPs every certificate names too "
+                            "(127.0.0.1 and localhost always do)")  # fmt: skip
     certs.set_defaults(func=_certs)
 
     gen = sub.add_parser("generate", help="stream an answer from a running cluster")
@@ -220,10 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--api-key", default=None, help="the router's API key (default: $KVSERVE_API_KEY)")
     gen.set_defaults(func=_generate)
 
-    args = parser.parse_args(argv)
-    if args.command in ("bench", "up"):
-        parser.error(f"use 'kvserve bench {'|'.join(BENCHES)} [options]' or 'kvserve up [options]'")
-    _run(args.func, args)
+    return parser
 
 
 def _run(func: Callable[[Any], None], args: object) -> None:

@@ -3,79 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvstore.block_pool import Block, BlockPool, Evicted
+from kvstore.holding import EMPTY_TABLE, Holding
 from kvstore.prefix_hash import block_hashes
-from kvstore.ring import RingSpec, table_columns
-
-
-def batch_slots(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int,
-                rings: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
-    """Pool slots ``(tokens,)`` int64 of tokens at ``positions[i]`` of the sequence whose blocks are
-    ``block_tables[rows[i]]`` (``block_tables`` ``(seqs, width)``); with ``rings`` ``(tokens, 4)``, each
-    token's sequence's ring row (``kvstore.ring``), through which logical blocks map to table columns.
-
-    Slot ``s`` is row ``s % block_size`` of block ``s // block_size`` in the pool flattened to
-    ``[num_blocks * block_size, ...]``; the one place this layout is spelled out in Python (the kernels
-    index the same layout with tensors).
-    """
-    columns = positions // block_size if rings is None else table_columns(positions, rings, block_size)
-    blocks = block_tables[rows, columns].astype(np.int64)
-    return blocks * block_size + positions % block_size
-
-
-def token_slots(block_table: Sequence[int] | np.ndarray, start: int, end: int, block_size: int,
-                ring: RingSpec | None = None) -> np.ndarray:  # fmt: skip
-    """Pool slots ``(end - start,)`` int64 of positions ``start..end-1`` of one sequence (see ``batch_slots``)."""
-    positions = np.arange(start, end)
-    table = np.asarray(block_table, dtype=np.int64).reshape(1, -1)
-    rings = None if ring is None else np.tile(np.asarray(ring.kernel_row(), dtype=np.int64), (end - start, 1))
-    return batch_slots(table, np.zeros_like(positions), positions, block_size, rings)
-
-
-_EMPTY_TABLE = np.empty(0, dtype=np.int32)
-_EMPTY_TABLE.flags.writeable = False
-
-
-@dataclass
-class _Holding:
-    """One sequence's blocks, and the prefix-cache chain of its leading full blocks.
-
-    ``hashes[i]`` and ``content_ids[i]`` name the prefix through block ``i`` for every block ``i`` already
-    cached (``content_ids[i]`` may name an equal block another sequence computed first); they grow together.
-    ``table[:len(blocks)]`` holds the blocks' ids (its capacity doubles, so appending is amortized O(1)) and
-    ``view`` is that slice, read-only, remade only when blocks are added.
-    """
-
-    blocks: list[Block] = field(default_factory=list)
-    table: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
-    view: np.ndarray = field(default_factory=lambda: _EMPTY_TABLE)
-    hashes: list[str] = field(default_factory=list)
-    content_ids: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    ring: RingSpec | None = None  # its blocks form a ring (``BlockManager``'s ring section)
-    num_logical_blocks: int = 0  # (a ring) logical blocks covered so far, past its table's length once it wraps
-
-    def extend(self, blocks: Sequence[Block]) -> None:
-        have, need = len(self.blocks), len(self.blocks) + len(blocks)
-        if need > len(self.table):
-            grown = np.empty(max(need, 2 * len(self.table), 4), dtype=np.int32)
-            grown[:have] = self.table[:have]
-            self.table = grown
-        self.table[have:need] = [b.block_id for b in blocks]
-        self.blocks.extend(blocks)
-        self.view = self.table[:need]
-        self.view.flags.writeable = False
+from kvstore.ring import RingSpec
 
 
 class BlockManager:
     """Maps each sequence id to the ordered list of blocks holding its KV, sharing cached prefix blocks.
 
     Token ``i`` of a sequence lives in block ``table[i // block_size]`` at offset ``i % block_size``
-    (``token_slots`` turns that into pool slots). Allocation is all-or-nothing: a call that cannot be
+    (``kvstore.slots.token_slots`` turns that into pool slots). Allocation is all-or-nothing: a call that cannot be
     satisfied changes nothing. Freeing releases one reference to each of a sequence's blocks in reverse
     order, so its tail blocks are reused (evicted) first; a block another sequence shares stays.
 
@@ -94,7 +35,7 @@ class BlockManager:
         self.enable_caching = enable_caching
         self.salt = salt
         self.pool = BlockPool(num_blocks, record_evictions=record_evictions)
-        self._holdings: dict[str, _Holding] = {}
+        self._holdings: dict[str, Holding] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -205,7 +146,7 @@ class BlockManager:
         if not self.can_allocate(seq_id, num_tokens, cached, ring):
             return False
         self.pool.touch(cached)
-        holding = self._holdings[seq_id] = _Holding(
+        holding = self._holdings[seq_id] = Holding(
             hashes=[b.block_hash for b in cached],
             content_ids=[b.content_id for b in cached],
             num_cached_tokens=len(cached) * self.block_size,
@@ -258,13 +199,8 @@ class BlockManager:
         keep = self.num_blocks_for(num_tokens)
         if holding.ring is not None or keep >= len(holding.blocks):
             return
-        released = holding.blocks[keep:]
         assert len(holding.hashes) <= keep, "a cached block past the tokens kept"
-        del holding.blocks[keep:]
-        holding.table = holding.table[:keep].copy()
-        holding.view = holding.table[:keep]
-        holding.view.flags.writeable = False
-        self.pool.release(reversed(released))
+        self.pool.release(reversed(holding.truncate(keep)))
 
     def block_table(self, seq_id: str) -> list[int]:
         holding = self._holdings.get(seq_id)
@@ -274,7 +210,7 @@ class BlockManager:
         """``seq_id``'s block ids now, ``(num_blocks,)`` int32, without copying (O(1)): a read-only view whose
         entries never change (blocks are only appended, and a freed sequence's array is not reused)."""
         holding = self._holdings.get(seq_id)
-        return _EMPTY_TABLE if holding is None else holding.view
+        return EMPTY_TABLE if holding is None else holding.view
 
     def has(self, seq_id: str) -> bool:
         return seq_id in self._holdings
@@ -298,7 +234,7 @@ class BlockManager:
     # fresh one (so the table entry changes), and a cached block it alone holds is uncached, so that no prefix
     # lookup ever finds KV the ring has overwritten.
 
-    def _ring_growth(self, holding: _Holding, num_tokens: int) -> tuple[int, int, list[int]]:
+    def _ring_growth(self, holding: Holding, num_tokens: int) -> tuple[int, int, list[int]]:
         """(free blocks needed, blocks to append, table indices to reuse) to cover ``num_tokens`` tokens."""
         ring = holding.ring
         want, have = self.num_blocks_for(num_tokens), holding.num_logical_blocks
@@ -309,7 +245,7 @@ class BlockManager:
         shared = sum(1 for i in reuse if i < len(holding.blocks) and holding.blocks[i].ref_count > 1)
         return append + shared, append, reuse
 
-    def _grow_ring(self, holding: _Holding, num_tokens: int) -> bool:
+    def _grow_ring(self, holding: Holding, num_tokens: int) -> bool:
         need, append, reuse = self._ring_growth(holding, num_tokens)
         if need > self.pool.num_free_blocks:
             return False

@@ -128,46 +128,9 @@ def faults(args: argparse.Namespace, log_dir: str) -> int:
     thread = threading.Thread(target=supervisor.run, args=(stop,), daemon=True)
     thread.start()
     [redis_child] = [unit for unit in cluster.units() if unit.role == "redis"]
-    rows = []
-
-    def under_load(name: str, inject, recovered) -> None:
-        result: list[LoadResult] = []
-        load = threading.Thread(target=lambda: result.append(asyncio.run(
-            closed_loop(cluster.endpoint, prompts(args.requests, 16, max_tokens=args.max_tokens), args.concurrency))))
-        load.start()
-        time.sleep(args.fault_after)
-        t0 = time.monotonic()
-        inject()
-        while not recovered():
-            time.sleep(0.1)
-        recovery = time.monotonic() - t0
-        load.join()
-        failed = [r for r in result[0].records if r.status != "OK"]
-        before_first = sum(r.num_tokens == 0 for r in failed)  # the router must have retried all of these
-        rows.append((name, len(failed), len(result[0].records), before_first, recovery, dict(result[0].errors)))
-        print(f"{name}: lost {len(failed)}/{len(result[0].records)} {dict(result[0].errors)} ({before_first} "
-              f"before their first token); recovered in {recovery:.1f} s")  # fmt: skip
-        time.sleep(3.0)
-
-    def killed(name: str):
-        child = cluster.child(name)
-        old = child.pid
-
-        def inject() -> None:
-            os.kill(old, signal.SIGKILL)
-
-        return inject, lambda: child.pid not in (None, old) and child.answers()
-
-    def registered() -> bool:
-        registry = Registry(cluster.redis_url, security=cluster.security)
-        try:
-            return len(registry.workers()) == 4
-        finally:
-            registry.stop()
-
     try:
-        under_load("SIGKILL decode-0", *killed("decode-0"))
-        under_load("SIGKILL prefill-0", *killed("prefill-0"))
+        rows = [_under_load(cluster, args, "SIGKILL decode-0", *_killed(cluster.child("decode-0")))]
+        rows.append(_under_load(cluster, args, "SIGKILL prefill-0", *_killed(cluster.child("prefill-0"))))
         paused_until = []
 
         def pause() -> None:
@@ -175,10 +138,12 @@ def faults(args: argparse.Namespace, log_dir: str) -> int:
             paused_until.append(time.monotonic() + 10)
             threading.Timer(10, os.kill, (redis_child.pid, signal.SIGCONT)).start()
 
-        under_load("SIGSTOP Redis 10 s", pause, lambda: time.monotonic() > paused_until[0] and registered())
+        rows.append(_under_load(cluster, args, "SIGSTOP Redis 10 s", pause,
+                                lambda: time.monotonic() > paused_until[0] and _registered(cluster)))  # fmt: skip
         old_redis = redis_child.pid
-        under_load("SIGKILL Redis", lambda: os.kill(old_redis, signal.SIGKILL),
-                   lambda: redis_child.pid not in (None, old_redis) and redis_child.answers() and registered())
+        rows.append(_under_load(cluster, args, "SIGKILL Redis", lambda: os.kill(old_redis, signal.SIGKILL),
+                                lambda: redis_child.pid not in (None, old_redis) and redis_child.answers()
+                                and _registered(cluster)))  # fmt: skip
         print("\n| fault | requests lost | of them before the first token | seconds to recovery |")
         print("|---|---|---|---|")
         for name, lost, total, before_first, recovery, errors in rows:
@@ -188,6 +153,51 @@ def faults(args: argparse.Namespace, log_dir: str) -> int:
         stop.set()
         thread.join()
         cluster.stop()
+
+
+def _under_load(cluster: Cluster, args: argparse.Namespace, name: str, inject, recovered) -> tuple:
+    """Start the load, ``inject`` the fault ``args.fault_after`` seconds in, and wait until ``recovered()``:
+    (name, requests lost, requests, lost before their first token, seconds to recovery, errors)."""
+    requests = prompts(args.requests, 16, max_tokens=args.max_tokens)
+    result: list[LoadResult] = []
+
+    def run() -> None:
+        result.append(asyncio.run(closed_loop(cluster.endpoint, requests, args.concurrency)))
+
+    load = threading.Thread(target=run)
+    load.start()
+    time.sleep(args.fault_after)
+    t0 = time.monotonic()
+    inject()
+    while not recovered():
+        time.sleep(0.1)
+    recovery = time.monotonic() - t0
+    load.join()
+    failed = [r for r in result[0].records if r.status != "OK"]
+    before_first = sum(r.num_tokens == 0 for r in failed)  # the router must have retried all of these
+    print(f"{name}: lost {len(failed)}/{len(result[0].records)} {dict(result[0].errors)} ({before_first} "
+          f"before their first token); recovered in {recovery:.1f} s")  # fmt: skip
+    time.sleep(3.0)
+    return name, len(failed), len(result[0].records), before_first, recovery, dict(result[0].errors)
+
+
+def _killed(child):  # noqa: ANN001, ANN202 - a cluster's child process
+    """(inject, recovered) of SIGKILLing ``child``: recovered once a new process of it answers."""
+    old = child.pid
+
+    def inject() -> None:
+        os.kill(old, signal.SIGKILL)
+
+    return inject, lambda: child.pid not in (None, old) and child.answers()
+
+
+def _registered(cluster: Cluster) -> bool:
+    """Whether all four workers are registered in the cluster's Redis."""
+    registry = Registry(cluster.redis_url, security=cluster.security)
+    try:
+        return len(registry.workers()) == 4
+    finally:
+        registry.stop()
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """The decode tile-config sweep of ``python -m kvserve.bench.kernels --sweep``: every config of ``SWEEP_GRID`` on each
 of ``SWEEP_SHAPES`` (bf16, the INT8 caches, d64), timed as CUDA-graph replays (``do_bench_cudagraph``); it
-prints the INT8 caches' speed against bf16 and the entries of ``decode_attention._MEASURED_CONFIGS`` for this
+prints the INT8 caches' speed against bf16 and the entries of ``decode_config._MEASURED_CONFIGS`` for this
 GPU, ready to paste.
 """
 
@@ -62,7 +62,8 @@ def bench_sweep(kv_dtype: str, batch: int, ctx: int, num_q_heads: int = 32, num_
                 head_dim: int = 128) -> SweepResult:  # fmt: skip
     """Time every config of ``SWEEP_GRID`` with one split and with the heuristic's splits on one shape and KV
     cache dtype (``auto``: bf16); print the fastest first and where the shipped config ranks."""
-    from kernels.decode_attention import _num_sms, choose_num_splits, default_tile_config, paged_decode_attention
+    from kernels.decode_attention import paged_decode_attention
+    from kernels.decode_config import choose_num_splits, count_sms, default_tile_config
 
     generator = torch.Generator().manual_seed(3)
     q = torch.randn(batch, num_q_heads, head_dim, generator=generator).to(inputs.DEVICE, inputs.DTYPE)
@@ -76,7 +77,7 @@ def bench_sweep(kv_dtype: str, batch: int, ctx: int, num_q_heads: int = 32, num_
         v_cache, v_scale = inputs.quantize_cache(v_cache)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=inputs.DEVICE)
     kv_bytes = sum(t.numel() * t.element_size() for t in (k_cache, v_cache, k_scale, v_scale) if t is not None)
-    num_sms = _num_sms(q.device)
+    num_sms = count_sms(q.device)
     result = SweepResult(kv_dtype, (batch, ctx, num_q_heads, num_kv_heads, head_dim),
                          shipped=default_tile_config(head_dim, kv_dtype, q.device))  # fmt: skip
     for config in SWEEP_GRID:
@@ -141,7 +142,7 @@ def print_table_entries(results: list[SweepResult], gpu: str) -> None:
     for r in results:
         if r.best() is not None:
             by_key.setdefault((padded(r.shape[4]), r.kv_dtype), []).append(r)
-    print(f"\nmeasured entries for _MEASURED_CONFIGS in kernels/decode_attention.py ({gpu}):")
+    print(f"\nmeasured entries for _MEASURED_CONFIGS in kernels/decode_config.py ({gpu}):")
     print(f'    "{gpu}": {{')
     for (head_dim, kv_dtype), sweeps in by_key.items():
         config = min(SWEEP_GRID, key=lambda c, sweeps=sweeps: _mean_slowdown(c, sweeps))

@@ -43,7 +43,7 @@ def bench_decode(batches, contexts, layouts) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import kernels
-    from kernels.decode_attention import _num_sms, choose_num_splits, default_tile_config
+    from kernels.decode_config import choose_num_splits, count_sms, default_tile_config
 
     def sdpa(q, k, v, scale):  # q [batch, q_heads, 1, d], k/v [batch, kv_heads, ctx, d]
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -72,7 +72,7 @@ def bench_decode(batches, contexts, layouts) -> None:
                 theirs = functools.partial(sdpa, q[:, :, None, :], k, v, scale)
                 ours_us = _bench(ours)
                 tile_tokens = default_tile_config(head_dim, "auto", q.device)[0]
-                splits = choose_num_splits(batch, num_kv_heads, ctx, tile_tokens, _num_sms(q.device))
+                splits = choose_num_splits(batch, num_kv_heads, ctx, tile_tokens, count_sms(q.device))
                 try:
                     sdpa_us = _bench(theirs)
                     diff = (ours().float() - theirs()[:, :, 0].float()).abs().max().item()

@@ -142,6 +142,21 @@ async def _run(args: argparse.Namespace, requests: list[BenchRequest], rates: li
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    rates = [float(r) for r in args.sweep_rates.split(",")] if args.sweep_rates else [args.request_rate]
+
+    requests = build_requests(args)
+    before: dict[str, float] = {}
+    results = asyncio.run(_run(args, requests, rates, before))
+    summaries = [summarize(result, rate, args.slo) for result, rate in zip(results, rates, strict=True)]
+    if args.metrics_url:  # over the whole run (every rate of a sweep)
+        server = server_figures(before, scrape(args.metrics_url))
+        summaries[-1]["server"] = server
+        print("\nserver-side, from /metrics: " + json.dumps(server, indent=1))
+    _report(args, results, summaries)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve bench load", description=__doc__.split("\n")[0])
     parser.add_argument("--target", default=None,
                         help="the router: HOST:PORT for grpc (default 127.0.0.1:50051), an http(s) URL or HOST:PORT "
@@ -161,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     load = parser.add_argument_group("load")
     count = load.add_mutually_exclusive_group()
     count.add_argument("--num-requests", type=int, default=None,
-                       help="requests to send (default: random 100, else the dataset's size), cycling the dataset")
+                       help="requests to send (default: random 100, else the dataset's size), "
+                            "cycling the dataset")  # fmt: skip
     count.add_argument("--duration", type=float, default=None, help="seconds to keep sending")
     load.add_argument("--request-rate", type=float, default=math.inf, help="arrivals per second (default inf: at once)")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
@@ -177,18 +193,13 @@ def main(argv: list[str] | None = None) -> None:
     out.add_argument("--plot", default=None, help="write a PNG: latency CDFs and load over time, or the sweep curve")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     out.add_argument("--metrics-url", action="append", default=[],
-                     help="a process's /metrics (repeat for each; kvserve up prints them): adds server-side figures")
-    args = parser.parse_args(argv)
-    rates = [float(r) for r in args.sweep_rates.split(",")] if args.sweep_rates else [args.request_rate]
+                     help="a process's /metrics (repeat for each; kvserve up prints them): "
+                          "adds server-side figures")  # fmt: skip
+    return parser
 
-    requests = build_requests(args)
-    before: dict[str, float] = {}
-    results = asyncio.run(_run(args, requests, rates, before))
-    summaries = [summarize(result, rate, args.slo) for result, rate in zip(results, rates, strict=True)]
-    if args.metrics_url:  # over the whole run (every rate of a sweep)
-        server = server_figures(before, scrape(args.metrics_url))
-        summaries[-1]["server"] = server
-        print("\nserver-side, from /metrics: " + json.dumps(server, indent=1))
+
+def _report(args: argparse.Namespace, results: list[LoadResult], summaries: list[dict]) -> None:
+    """Print each run's figures (and a sweep's table), then save and plot them as ``args`` asks."""
     for summary in summaries:
         print(f"\n=== {args.backend} backend, {args.dataset} dataset\n{format_summary(summary)}")
     if len(summaries) > 1:
@@ -211,4 +222,3 @@ def main(argv: list[str] | None = None) -> None:
         else:
             plot_run(results[0], args.plot, title)
         print(f"saved {Path(args.plot)}")
-

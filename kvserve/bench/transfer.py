@@ -92,11 +92,11 @@ def _grpc(source, dest, fp: str, blocks, repeats: int) -> list[float]:
 def _nixl(source, dest, fp: str, blocks, repeats: int) -> list[float]:
     from protos.kvserve.v1 import kvserve_pb2 as pb
     from security.auth import Security
-    from transfer import nixl
+    from transfer import nixl, nixl_agent
     from transfer.blocks import checksum_blocks
     from transfer.interface import Origin
 
-    pool = nixl.NixlPool(dest, "bench-decode")  # the agents start before the clock does, as in a worker
+    pool = nixl_agent.NixlPool(dest, "bench-decode")  # the agents start before the clock does, as in a worker
     lease = pb.KVDestination(worker_id="bench-decode", backend="nixl", block_ids=blocks, num_blocks=dest.num_blocks,
                              nixl_metadata=pool.metadata, nixl_pool=pool.pool)  # fmt: skip
     transport = nixl.NixlTransport.open(lease, Origin(source.spec, fp, "bench-prefill", Security(token="bench")))

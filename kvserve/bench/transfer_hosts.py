@@ -82,9 +82,9 @@ def decode_end(model: str, tokens: int, device: str, address: str, transports: l
     threading.Thread(target=_tcp_sink, args=(listener, dest.buffer, nbytes), daemon=True).start()
     pool = None
     if "nixl" in transports:
-        from transfer import nixl
+        from transfer import nixl_agent
 
-        pool = nixl.NixlPool(dest, "bench-decode")
+        pool = nixl_agent.NixlPool(dest, "bench-decode")
     _say({"address": f"{address}:{RECEIVER_PORT}", "fingerprint": fp, "spec": _spec_json(spec),
           "num_blocks": dest.num_blocks, "bytes_per_block": spec.bytes_per_block(),
           "architecture": engine.model_config.architecture,

@@ -55,14 +55,14 @@ def test_sweep_of_each_cache_prints_ratios_and_table_entries(tiny_bench, capsys)
 
 def test_measured_configs_apply_to_their_gpu_only(monkeypatch):
     triton_ops()
-    from kernels import decode_attention
+    from kernels import decode_config
 
     h200 = torch.device("cuda", 0)
-    monkeypatch.setattr(decode_attention, "gpu_keys", lambda device: ("NVIDIA H200", "sm_90") if device else ())
-    assert decode_attention.default_tile_config(128, "auto", h200) == (64, 4, 2)  # measured
-    assert decode_attention.default_tile_config(128, "int8_v", h200) == (32, 4, 3)  # not measured: fallback
-    assert decode_attention.default_tile_config(128, "auto", None) == (64, 4, 3)  # fallback off-GPU
-    assert decode_attention.default_tile_config(96, "auto", h200) == (64, 4, 2)  # d96 runs as padded d128
+    monkeypatch.setattr(decode_config, "gpu_keys", lambda device: ("NVIDIA H200", "sm_90") if device else ())
+    assert decode_config.default_tile_config(128, "auto", h200) == (64, 4, 2)  # measured
+    assert decode_config.default_tile_config(128, "int8_v", h200) == (32, 4, 3)  # not measured: fallback
+    assert decode_config.default_tile_config(128, "auto", None) == (64, 4, 3)  # fallback off-GPU
+    assert decode_config.default_tile_config(96, "auto", h200) == (64, 4, 2)  # d96 runs as padded d128
 
 
 def test_sweep_only_command_line(tiny_bench, monkeypatch, capsys):

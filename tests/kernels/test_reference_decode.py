@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.reference import attention
+from kernels.reference.attention import _length_groups
 
 
 def _naive(q, k_cache, v_cache, block_tables, seq_lens, scale):
@@ -28,7 +30,7 @@ def _naive(q, k_cache, v_cache, block_tables, seq_lens, scale):
 
 @pytest.mark.parametrize("max_gather", [1 << 24, 256])  # 256 elements: every group split to single rows
 def test_reference_decode_matches_attention_written_out(monkeypatch, max_gather):
-    monkeypatch.setattr(reference, "_MAX_GATHER_ELEMENTS", max_gather)
+    monkeypatch.setattr(attention, "_MAX_GATHER_ELEMENTS", max_gather)
     torch.manual_seed(0)
     block_size, num_kv_heads, head_dim, num_q_heads = 4, 2, 8, 6
     seq_lens = torch.tensor([5, 0, 1, 17, 40, 3, 0, 33, 8, 64], dtype=torch.int32)
@@ -49,5 +51,5 @@ def test_reference_decode_matches_attention_written_out(monkeypatch, max_gather)
 
 def test_reference_decode_equal_lengths_is_one_group():
     lens = torch.full((256,), 48)
-    assert reference._length_groups(lens, 32) == [None]
-    assert [g.tolist() for g in reference._length_groups(torch.tensor([0, 3, 4, 5, 9]), 32)] == [[1, 2], [3], [4]]
+    assert _length_groups(lens, 32) == [None]
+    assert [g.tolist() for g in _length_groups(torch.tensor([0, 3, 4, 5, 9]), 32)] == [[1, 2], [3], [4]]

@@ -15,7 +15,7 @@ from cluster_state import lease
 from kvstore.kv_cache import KVCache, KVCacheSpec
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from security.auth import Security
-from transfer import nixl
+from transfer import nixl, nixl_agent
 from transfer.backend import Backend
 from transfer.blocks import checksum_blocks
 from transfer.interface import Origin, TransferFailed
@@ -23,12 +23,12 @@ from transfer.interface import Origin, TransferFailed
 SPEC = KVCacheSpec(2, 2, 16, 4, torch.float32)
 
 
-def _destination(pool: nixl.NixlPool, worker_id: str, num_blocks: int, block_ids: list[int]) -> pb.KVDestination:
+def _destination(pool: nixl_agent.NixlPool, worker_id: str, num_blocks: int, block_ids: list[int]) -> pb.KVDestination:
     return pb.KVDestination(worker_id=worker_id, backend=Backend.NIXL, fingerprint="fp", block_ids=block_ids,
                             num_blocks=num_blocks, nixl_metadata=pool.metadata, nixl_pool=pool.pool)  # fmt: skip
 
 
-def _arrived(pool: nixl.NixlPool, timeout_s: float = 5.0) -> list[tuple[str, str]]:
+def _arrived(pool: nixl_agent.NixlPool, timeout_s: float = 5.0) -> list[tuple[str, str]]:
     deadline, got = time.monotonic() + timeout_s, []
     while not got and time.monotonic() < deadline:
         got = pool.arrived()
@@ -42,7 +42,7 @@ def write() -> None:
     write whose blocks do not pair up fails in ``finish``."""
     decode, source = KVCache(SPEC, 32, "cpu"), KVCache(SPEC, 24, "cpu")
     source.buffer.copy_(torch.randint(0, 255, source.buffer.shape, dtype=torch.uint8))
-    pool = nixl.NixlPool(decode, "decode-n")
+    pool = nixl_agent.NixlPool(decode, "decode-n")
     src, dst = [3, 4, 5, 11, 0], [20, 21, 7, 8, 30]
     transport = nixl.NixlTransport.open(_destination(pool, "decode-n", 32, dst),
                                         Origin(SPEC, "fp", "prefill-n", Security(token="t")))  # fmt: skip
@@ -66,7 +66,7 @@ def write() -> None:
 def metadata() -> None:
     """A prefill worker loads only the agent of the worker the destination names, and only a destination
     whose lease verifies: the signature covers the metadata and the pool's address."""
-    pool = nixl.NixlPool(KVCache(SPEC, 8, "cpu"), "decode-m")
+    pool = nixl_agent.NixlPool(KVCache(SPEC, 8, "cpu"), "decode-m")
     origin = Origin(SPEC, "fp", "prefill-m", Security(token="t"))
     for dest, refusal in [(_destination(pool, "decode-other", 8, [1]), "not decode worker"),
                           (pb.KVDestination(worker_id="decode-m", backend=Backend.NIXL, num_blocks=8), "no NIXL")]:
@@ -89,8 +89,8 @@ def metadata() -> None:
 
 def idle() -> None:
     """Agents that move nothing cost next to no CPU: NIXL's own progress thread polls without pause (a whole
-    core per agent, 1 s of CPU per second), ours rest between rounds (``transfer.nixl``)."""
-    agents = [nixl._agent(f"idle-{i}") for i in range(2)]
+    core per agent, 1 s of CPU per second), ours rest between rounds (``transfer.nixl_agent``)."""
+    agents = [nixl_agent.new_agent(f"idle-{i}") for i in range(2)]
     for agent in agents:
         agent.register_memory(torch.zeros(1 << 20, dtype=torch.uint8))
     before, start = time.process_time(), time.monotonic()
