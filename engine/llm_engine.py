@@ -26,8 +26,8 @@ from engine.bundled import resolve_model
 from engine.config import EngineConfig
 from engine.continuation import Continuation, check_continuation, resume
 from engine.kv_connector import TRANSFER_EXPIRED, ConnectorChain, KVConnector
-from engine.model_config import ModelConfig
 from engine.logprobs import TokenLogprob
+from engine.model_config import ModelConfig
 from engine.model_runner import ExecutedStep, ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, StepError

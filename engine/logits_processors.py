@@ -110,18 +110,19 @@ class LogitsProcessors:
                   if at - len(s.prompt_token_ids) < p.min_tokens for t in self._ends(p)]  # fmt: skip
         penalized = [r for r, p in enumerate(params)
                      if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]  # fmt: skip
-        packed.add_ints([r for r, _, _ in bias], [t for _, t, _ in bias], [r for r, _ in banned], [t for _, t in banned])
+        packed.add_ints([r for r, _, _ in bias], [t for _, t, _ in bias])
+        packed.add_ints([r for r, _ in banned], [t for _, t in banned])
         packed.add_floats([b for _, _, b in bias])
         if penalized:
             rows = [seqs[r] for r in penalized]
             packed.add_ints(penalized, *self._prompt.plan(rows), *self._output.plan(rows))
             after = [seen_after[r] for r in penalized]
             packed.add_ints([i for i, tokens in enumerate(after) for _ in tokens], [t for ts in after for t in ts])
-            packed.add_floats(*([getattr(params[r], name) for r in penalized]
-                                for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")))  # fmt: skip
+            names = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+            packed.add_floats(*([getattr(params[r], name) for r in penalized] for name in names))
 
         def apply(logits: torch.Tensor, sent: Iterator[torch.Tensor]) -> torch.Tensor:
-            bias_rows, bias_tokens, ban_rows, ban_tokens, biases = (next(sent) for _ in range(5))
+            bias_rows, bias_tokens, ban_rows, ban_tokens, biases = (next(sent) for _ in range(5))  # (added order)
             out = logits.index_put((bias_rows, bias_tokens), biases, accumulate=True)
             out[ban_rows, ban_tokens] = float("-inf")
             if penalized:

@@ -91,7 +91,8 @@ class OutputProcessor:
             num_cached_tokens=seq.num_cached_tokens,
             num_external_tokens=seq.num_external_tokens,
             num_output_tokens=len(seq.token_ids) - len(seq.prompt_token_ids),
-            new_logprobs=seq.logprobs[len(seq.logprobs) - len(new_token_ids) :] if seq.params.logprobs is not None
+            new_logprobs=seq.logprobs[len(seq.logprobs) - len(new_token_ids) :]
+            if seq.params.logprobs is not None
             else None,
             _seq=seq,
             _num_chars=detok.num_chars,

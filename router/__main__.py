@@ -30,7 +30,7 @@ from rpc.settings import parse_settings, settings_parser
 from security.auth import Security, security_from_settings, tls_files
 
 if TYPE_CHECKING:
-    from router.openai_api import HttpServer
+    from router.http_server import HttpServer
 
 log = logging.getLogger("router")
 
@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     host = settings.host
     http = None
     if settings.http_port:
-        from router.openai_api import HttpServer, create_app  # fastapi and uvicorn: only for the HTTP API
+        from router.http_server import HttpServer  # fastapi and uvicorn: only for the HTTP API
+        from router.openai_api import create_app
 
         names = settings.served_model_name or [path.name]
         app = create_app(router, names, door, serve_metrics=not settings.metrics_port, root=str(path))

@@ -244,7 +244,8 @@ def completion(request_id: str, model: str, chat: bool, text: str, last: pb.Gene
 
 
 def chunk(request_id: str, model: str, chat: bool, text: str, finish_reason: str | None, first: bool,
-          usage_of: pb.GenerateResponse | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+          usage_of: pb.GenerateResponse | None = None, logprobs: dict[str, Any] | None = None
+          ) -> dict[str, Any]:  # fmt: skip
     """One streamed event; with ``usage_of``, the closing usage event (no choices), as OpenAI sends it."""
     if usage_of is not None:
         choices = []

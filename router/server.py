@@ -45,6 +45,7 @@ from kvstore.prefix_hash import block_hashes
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from router.health import WorkerHealth
+from router.relay import Relayed, Slot
 from router.routing import RoutingWeights, choose
 from router.validation_queue import DEFAULT_MAX_BACKLOG, ValidationBusy, ValidationQueue
 from rpc import metrics
@@ -76,7 +77,7 @@ class Router(pb_grpc.InferenceServicer):
     """The public ``Inference`` service. Lives on one event loop: create it anywhere, serve and close it there.
 
     ``_in_flight`` counts the calls this router has open per worker id; every count it adds is removed by
-    the ``_Slot`` that added it, once (see ``_Slot``).
+    the ``Slot`` that added it, once (see ``Slot``).
     """
 
     def __init__(
@@ -155,7 +156,7 @@ class Router(pb_grpc.InferenceServicer):
         if not targets:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available; is the cluster up?")
         metrics.ROUTING.labels(choice.reason).inc()
-        errors, relayed = [], _Relayed()
+        errors, relayed = [], Relayed()
         with self._claim(choice.prefill) as prefill_slot:
             call_request = pb.DecodeRequest(request_id=request.request_id or uuid.uuid4().hex,
                                             prompt_token_ids=prompt, sampling=sampling_to_proto(params),
@@ -237,9 +238,9 @@ class Router(pb_grpc.InferenceServicer):
         chain = block_hashes(prompt, layout.block_size, layout.fingerprint)
         return self.registry.prefix_index.holdings(chain), num_blocks
 
-    def _claim(self, worker_id: str) -> _Slot:
+    def _claim(self, worker_id: str) -> Slot:
         """Count a call to ``worker_id`` as in flight until the slot is released (``with`` releases it)."""
-        return _Slot(self._in_flight, worker_id)
+        return Slot(self._in_flight, worker_id)
 
     def _channel(self, worker: WorkerInfo) -> grpc.aio.Channel:
         """The channel to ``worker``; with cluster certificates TLS accepts only a server whose certificate names
@@ -261,50 +262,3 @@ def _remaining(context: grpc.aio.ServicerContext) -> float | None:
     """The client's deadline as a timeout for the call we make on its behalf (None: it set none)."""
     remaining = context.time_remaining()
     return remaining if remaining is not None and remaining < 1e6 else None
-
-
-class _Relayed:
-    """What a stream has relayed to its client so far: the tokens and the characters of their text, so that a
-    stream whose decode worker dies (or drains) can continue on another as one uninterrupted stream."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.num_chars = 0
-        self.first_at: float | None = None
-        self.moved = False  # the stream continues on another worker than the one that began it
-
-    def resume(self, request: pb.DecodeRequest) -> None:
-        """Make ``request`` continue after what was relayed (nothing yet: the plain request)."""
-        request.resumed_output_token_ids[:] = self.tokens
-        request.num_resumed_chars = self.num_chars
-        self.moved = bool(self.tokens)
-
-    def add(self, msg: pb.GenerateResponse, received: float) -> None:
-        now = time.perf_counter()
-        self.first_at = self.first_at or now
-        self.tokens.extend(msg.token_ids)
-        self.num_chars += len(msg.text)
-        if msg.finish_reason:  # TTFT as this client saw it (the worker that ends a moved stream did not send it)
-            if self.moved:
-                msg.timings.ttft_ms = (self.first_at - received) * 1000
-            msg.timings.total_ms = (now - received) * 1000
-
-
-class _Slot:
-    """One in-flight call on a router's counter; releasing it twice is harmless. An empty key counts nothing."""
-
-    def __init__(self, in_flight: Counter[str], key: str) -> None:
-        self.in_flight, self.key, self.held = in_flight, key, bool(key)
-        if self.held:
-            in_flight[key] += 1
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            self.in_flight[self.key] -= 1
-
-    def __enter__(self) -> _Slot:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()

@@ -18,7 +18,8 @@ from waiting import wait_until
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from router.openai_api import HttpServer, create_app
+from router.http_server import HttpServer
+from router.openai_api import create_app
 from rpc import metrics
 from rpc.loop import AsyncioThread
 

@@ -220,8 +220,8 @@ def test_a_verify_rows_penalty_counts_the_proposals_before_it():
         rows = range(len(proposals) + 1)
         together = Sampler(vocab, torch.device("cpu"), 0)(
             logits, [seq] * len(rows), [len(history) + j for j in rows], [proposals[:j] for j in rows]).tokens.tolist()
-        alone = [Sampler(vocab, torch.device("cpu"), 0)(logits[j : j + 1], [Seq(params, history + proposals[:j])]).tokens
-                 for j in rows]  # fmt: skip
+        alone = [Sampler(vocab, torch.device("cpu"), 0)(logits[j : j + 1], [Seq(params, history + proposals[:j])])
+                 .tokens for j in rows]  # fmt: skip
         assert together == [int(t) for t in alone]
 
 

@@ -17,7 +17,8 @@ from router_utils import RouterStack, new_router
 from waiting import wait_until
 
 from kvserve.client import Client
-from router.openai_api import HttpServer, create_app
+from router.http_server import HttpServer
+from router.openai_api import create_app
 
 PROMPT = "The three most useful things to know about Paris are"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

@@ -15,7 +15,8 @@ import pytest
 from router_utils import RouterStack
 
 from engine.tokenizer import Tokenizer
-from router.openai_api import HttpServer, create_app
+from router.http_server import HttpServer
+from router.openai_api import create_app
 from rpc.validation import encode_chat
 
 MODEL, ALIAS, ROOT = "SmolLM2-135M-Instruct", "smol", "/models/SmolLM2-135M-Instruct"

@@ -15,7 +15,8 @@ import torch
 from router_utils import RouterStack
 
 from kvserve.client import Client
-from router.openai_api import HttpServer, create_app
+from router.http_server import HttpServer
+from router.openai_api import create_app
 
 MODEL = "SmolLM2-135M-Instruct"
 TOLERANCE = 1e-4  # fp32 on both sides, different schedules (tests/engine/test_logprobs.py)
@@ -128,8 +129,8 @@ def test_logit_bias_and_min_tokens_reach_the_sampler(client, tokenizer):
                                       logit_bias={str(forced): 100})  # fmt: skip
     assert reply.choices[0].text == tokenizer.decode([forced] * 4)
     eos = tokenizer.eos_token_id
-    held = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logit_bias={str(eos): 100},
-                                     extra_body={"min_tokens": 3})  # fmt: skip
+    held = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
+                                     logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})  # fmt: skip
     assert held.usage.completion_tokens == 4 and held.choices[0].finish_reason == "stop"  # 3 held back, then EOS
 
 
@@ -148,4 +149,3 @@ def test_bad_values_are_refused_naming_the_field(stack, body, param):
     status, reply = _post(stack, path, {"model": MODEL, "max_tokens": 2, **body})
     assert status == 400, reply
     assert param in reply["error"]["message"], reply
-

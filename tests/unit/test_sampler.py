@@ -119,8 +119,9 @@ def test_mixed_batch_equals_per_row_sampling_step_after_step():
     gen = torch.Generator().manual_seed(0)
     seqs = [
         Seq(p, torch.randint(vocab, (5 + i,), generator=gen).tolist(), sampling_seed=seed)
-        for i, (p, seed) in enumerate(zip(MIXED, [3, -9, 11, 1 << 62, 5, -(1 << 40), 0, 42, 8, 6, -2, 13, 0, 1],
-                                          strict=True))  # fmt: skip
+        for i, (p, seed) in enumerate(
+            zip(MIXED, [3, -9, 11, 1 << 62, 5, -(1 << 40), 0, 42, 8, 6, -2, 13, 0, 1], strict=True)
+        )  # fmt: skip
     ]
     sampler = Sampler(vocab, CPU, seed=0, eos_token_ids=frozenset(EOS))
     for _ in range(12):  # the penalty rows see the tokens appended step after step
@@ -145,7 +146,8 @@ def test_a_rows_token_does_not_depend_on_the_rest_of_its_batch():
         # alone on a fresh sampler (another engine: another engine seed), and in the middle of a batch
         [alone] = Sampler(vocab, CPU, seed=123)(row, [Seq(params, list(target.token_ids), 77)]).tokens.tolist()
         batch = [*others[:4], target, *others[4:]]
-        logits = torch.cat([torch.randn(4, vocab, generator=gen), row, torch.randn(len(others) - 4, vocab, generator=gen)])
+        rest = torch.randn(len(others) - 4, vocab, generator=gen)
+        logits = torch.cat([torch.randn(4, vocab, generator=gen), row, rest])
         tokens = Sampler(vocab, CPU, seed=0)(logits, batch).tokens.tolist()
         assert tokens[4] == alone
         target.append(alone)
