@@ -35,6 +35,7 @@ from engine.kv_connector import FinishedLoad, KVConnector
 from engine.sequence import Sequence
 from kvstore.kv_cache import KVCache
 from protos.kvserve.v1 import kvserve_pb2 as pb
+from rpc.convert import logprobs_from_proto
 from transfer.backend import LOCAL, Backend, Endpoint, choose_backend
 from transfer.nixl_agent import NixlOffer
 
@@ -56,6 +57,8 @@ class PoolOffer:
 
 
 class RemotePrefillConnector(KVConnector):
+    brings_logits = True  # the prefill worker computes what a request asks for (``_loaded``)
+
     def __init__(self, pool: PoolOffer, kv_cache: KVCache, block_size: int, prefills: PrefillClient,
                  quarantine: Quarantine, admission: Admission, wake: Callable[[], None], revoke_lock: threading.Lock,
                  forced: Backend | None = None, offer_cached_prefix: bool = True,
@@ -76,8 +79,8 @@ class RemotePrefillConnector(KVConnector):
         req: ActiveRequest | None = seq.kv_params
         if req is None or req.state is not S.QUEUED:
             return 0, False  # already prefilled once (a preempted request is recomputed here)
-        if seq.params.logprobs is not None:
-            return 0, False  # a prefill worker's reply carries no log-probabilities yet: compute it here
+        if seq.params.max_tokens == 0:
+            return 0, False  # it only scores its prompt: there is no decoding to hand it over for
         req.target = self.prefills.pick(req.tried, req.preferred_prefill)
         # what we hold: our prefix cache's hit plus what a connector before us (a memory tier) loads
         req.num_cached_tokens = num_cached_tokens
@@ -144,7 +147,7 @@ class RemotePrefillConnector(KVConnector):
                 self.prefills.delete_lease(req.request_id, req.prefill_worker)
                 req.prefill_ms, req.transfer_ms = reply.prefill_ms, reply.transfer_ms
                 req.move(S.RUNNING)
-                loads.append(FinishedLoad(req.request_id, reply.first_token_id))
+                loads.append(_loaded(req, reply))
             else:
                 log.warning("prefill of %s on %s failed (%s); retrying", req.request_id, req.prefill_worker, error)
                 self._nixl_failed(req)
@@ -208,3 +211,10 @@ class RemotePrefillConnector(KVConnector):
         """(blocks, prefill worker) of a request whose prefill is in flight; ([], '') otherwise. For PushKV."""
         req = self.in_flight.get(request_id)
         return (req.leased, req.prefill_worker) if req is not None and req.prefill_worker else ([], "")
+
+
+def _loaded(req: ActiveRequest, reply: pb.PrefillResponse) -> FinishedLoad:
+    """The load a prefill worker's reply finished, with the log-probabilities it computed when asked."""
+    logprob = logprobs_from_proto([reply.first_token_logprob])[0] if reply.HasField("first_token_logprob") else None
+    prompt = logprobs_from_proto(reply.prompt_logprobs) if req.params.prompt_logprobs is not None else None
+    return FinishedLoad(req.request_id, reply.first_token_id, logprob, prompt)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.logprobs import TokenLogprob
 from engine.sequence import Sequence
 
 TRANSFER_EXPIRED = "kv_transfer_expired"  # the finish reason of a sequence whose save or load ran out of time
@@ -48,14 +49,23 @@ TRANSFER_EXPIRED = "kv_transfer_expired"  # the finish reason of a sequence whos
 
 @dataclass(frozen=True)
 class FinishedLoad:
-    """An asynchronous load that ended: ``first_token`` is the loader's sampled token, or None when it failed."""
+    """An asynchronous load that ended: ``first_token`` is the loader's sampled token, or None when it failed;
+    with it, when the request asked, its log-probability and the prompt's (tokens 1, 2, ...)."""
 
     seq_id: str
     first_token: int | None
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class KVConnector:
-    """No KV from or to outside this engine (the offline engine's connector); subclasses override."""
+    """No KV from or to outside this engine (the offline engine's connector); subclasses override.
+
+    ``brings_logits``: its loads come with the prompt's log-probabilities (a remote prefill computes them), so
+    a request that wants them (``Sequence.wants_prompt_logprobs``) may load from it; from any other it may not.
+    """
+
+    brings_logits = False
 
     # -- scheduler side ----------------------------------------------------------------------------------
 
@@ -96,12 +106,16 @@ class ConnectorChain(KVConnector):
 
     def __init__(self, connectors: list[KVConnector]) -> None:
         self.connectors = connectors
+        self.brings_logits = any(c.brings_logits for c in connectors)
         self._offers: dict[str, list[int]] = {}  # seq id -> what each connector offered at this admission
 
     def num_external_tokens(self, seq: Sequence, num_cached_tokens: int) -> tuple[int, bool]:
         offers: list[int] = []
         total, later = 0, False
         for connector in self.connectors:
+            if seq.wants_prompt_logprobs and not connector.brings_logits:
+                offers.append(0)
+                continue
             n, later = connector.num_external_tokens(seq, num_cached_tokens + total)
             offers.append(n)
             total += n

@@ -201,9 +201,12 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         outputs = self._run(batch) if batch.seqs else []
-        for seq, token in self.scheduler.finish_loads(self.connector.finished_loads()):
+        for seq, load in self.scheduler.finish_loads(self.connector.finished_loads()):
             self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            outputs.append(self._append_tokens(seq, [token]))
+            if load.prompt_logprobs is not None:
+                seq.prompt_logprobs[1:] = load.prompt_logprobs
+            logprobs = None if load.logprob is None else [load.logprob]
+            outputs.append(self._append_tokens(seq, [load.first_token], logprobs))
         return outputs
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:

@@ -124,7 +124,8 @@ class Scheduler:
             # positions whose prompt log-probabilities are wanted have no logits in a cache: compute them
             cached = [] if seq.wants_prompt_logprobs else self.block_manager.match_prefix(seq.token_ids, seq.ring)
             num_cached = len(cached) * self.block_manager.block_size
-            num_external, later = self.connector.num_external_tokens(seq, num_cached) if _may_load(seq) else (0, False)
+            may_load = _may_load(seq) and (self.connector.brings_logits or not seq.wants_prompt_logprobs)
+            num_external, later = self.connector.num_external_tokens(seq, num_cached) if may_load else (0, False)
             num_start = num_cached + num_external
             n = 0 if later else seq.num_tokens_to_compute(num_start, budget)
             if not later and n == 0:
@@ -157,9 +158,9 @@ class Scheduler:
     def _num_slots_used(self) -> int:
         return len(self.running) + len(self.waiting_for_kv)
 
-    def finish_loads(self, loads: list[FinishedLoad]) -> list[tuple[Sequence, int]]:
+    def finish_loads(self, loads: list[FinishedLoad]) -> list[tuple[Sequence, FinishedLoad]]:
         """Apply finished asynchronous loads: a loaded sequence runs (all its tokens computed); one whose load
-        failed goes back to the front of the waiting queue. Returns (loaded sequence, its first token)."""
+        failed goes back to the front of the waiting queue. Returns (loaded sequence, its load)."""
         loaded = []
         for load in loads:
             seq = self.waiting_for_kv.pop(load.seq_id, None)
@@ -174,7 +175,7 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_tokens
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                loaded.append((seq, load.first_token))
+                loaded.append((seq, load))
         return loaded
 
     def _allocate(self, seq: Sequence, num_tokens: int, cached: list[Block] | None = None) -> bool:
@@ -214,8 +215,6 @@ class Scheduler:
 
 def _may_load(seq: Sequence) -> bool:
     """Whether the KV connector may load ``seq``'s KV: connectors fill blocks by their place in the sequence,
-    which a ring that wraps (``kvstore.ring``) does not keep, so such a sequence computes its own; so does
-    one that still needs logits of its prompt (``wants_prompt_logprobs``)."""
-    if seq.wants_prompt_logprobs:
-        return False
+    which a ring that wraps (``kvstore.ring``) does not keep, so such a sequence computes its own. (One that
+    still needs its prompt's logits loads only from a connector that ``brings_logits``.)"""
     return seq.ring is None or seq.num_tokens <= seq.ring.num_exact_tokens

@@ -7,6 +7,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from engine import SamplingParams
+from engine.logprobs import TokenLogprob
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from rpc import metrics
 from transfer.interface import KVTransport
@@ -43,6 +44,8 @@ class PrefillResult:
     prefill_ms: float  # from the batch's start to the step that finished the prompt
     num_cached_tokens: int  # leading prompt tokens taken from our own prefix cache
     take_ms: float = 0.0  # ``take`` after that step (the whole write, for nixl): part of the hand-off's time
+    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # when it asked for prompt_logprobs: tokens 1, 2, ...
 
 
 def settle(job: PrefillJob, result: PrefillResult | None = None, error: BaseException | None = None) -> None:

@@ -54,6 +54,7 @@ from prefill_service.request import Refused, validate_prefill_request
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc import metrics
+from rpc.convert import logprobs_to_proto
 from rpc.loop import Loop
 from security.auth import Security
 from security.identity import peer_identity
@@ -119,6 +120,8 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"pushing the KV to decode worker {dest.worker_id} "
                                 f"failed: {err}")  # fmt: skip
         return pb.PrefillResponse(
+            first_token_logprob=logprobs_to_proto([result.first_logprob])[0] if result.first_logprob else None,
+            prompt_logprobs=logprobs_to_proto(result.prompt_logprobs or ()),
             first_token_id=result.first_token,
             num_cached_tokens=result.num_cached_tokens,
             checksum=digest,
@@ -207,7 +210,8 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             if job.cancelled or job.expired:  # the destination blocks may already be someone else's
                 self._stop(rid, job)
                 continue
-            params = dataclasses.replace(job.params, max_tokens=1, stop=[], ignore_eos=True)
+            # one token, drawn as the decode worker would (min_tokens keeps it from being an end token there too)
+            params = dataclasses.replace(job.params, max_tokens=1, min_tokens=min(job.params.min_tokens, 1), stop=[])
             # The table from position 0: its first ``skip`` blocks hold what the destination has and are never
             # written; we read them when the lease offers them, else a leased block stands in as a placeholder.
             # Without a pool to write (``grpc``) the hand-off only keeps our blocks for the transport to read.
@@ -242,7 +246,9 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                     self._end_writes(job, "success")
                     metrics.count_prefill_tokens(len(job.prompt), out.num_cached_tokens, out.num_external_tokens)
                     settle(job, PrefillResult(out.token_ids[0], taken, (prefilled - start) * 1e3,
-                                              out.num_cached_tokens, (took - prefilled) * 1e3))  # fmt: skip
+                                              out.num_cached_tokens, (took - prefilled) * 1e3,
+                                              out.logprobs[0] if out.logprobs else None,
+                                              out.prompt_logprobs[1:] if out.prompt_logprobs else None))  # fmt: skip
         finally:
             for rid, job in pending.items():
                 self._drop(rid)

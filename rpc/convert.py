@@ -32,6 +32,10 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
     return opts
 
 
+def logprobs_from_proto(entries: Iterable[pb.TokenLogprob]) -> list[TokenLogprob]:
+    return [TokenLogprob(e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top]) for e in entries]
+
+
 def logprobs_to_proto(entries: Iterable[TokenLogprob | None]) -> list[pb.TokenLogprob]:
     """The wire's form of ``entries`` (a None, a token another worker sent before a continuation, becomes an
     empty entry)."""

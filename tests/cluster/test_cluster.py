@@ -73,6 +73,31 @@ def test_seeded_sampling_through_the_cluster_equals_the_offline_engine(one_by_on
     assert served.token_ids == offline.token_ids
 
 
+def test_logprobs_through_1p1d_are_transformers_the_prefill_worker_computing_the_prompts(one_by_one, hf_model,
+                                                                                         engine_prompts):  # fmt: skip
+    """The prefill worker computes the prompt's log-probabilities and the first token's, and they travel with
+    its reply; the decode worker the rest (speculating: from the verify pass). Within 1e-4 of transformers'
+    log_softmax (fp32, other schedules: tests/engine/test_logprobs.py)."""
+    import torch
+
+    prompt = engine_prompts[5]
+    options = {**GREEDY, "max_tokens": 8, "logprobs": 2, "prompt_logprobs": 1, "min_tokens": 4}
+    with Client(one_by_one.endpoint, timeout_s=120) as client:
+        result = client.generate(prompt, **options)
+    assert result.prefill_worker == "prefill-0" and result.transfer_backend == "shm"
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([prompt + result.token_ids])).logits[0].float().log_softmax(-1)
+    assert result.prompt_token_ids == prompt and len(result.prompt_logprobs) == len(prompt) - 1
+    for p, entry in enumerate(result.prompt_logprobs, start=1):
+        assert entry.token_id == prompt[p] and abs(entry.logprob - float(expected[p - 1, prompt[p]])) < 1e-4
+        assert len(entry.top) == 1 and abs(entry.top[0][1] - float(expected[p - 1].max())) < 1e-4
+    assert [e.token_id for e in result.logprobs] == result.token_ids and len(result.token_ids) == 8
+    for j, entry in enumerate(result.logprobs):
+        row = expected[len(prompt) - 1 + j]
+        assert abs(entry.logprob - float(row[entry.token_id])) < 1e-4
+        assert [lp for _, lp in entry.top] == pytest.approx(row.topk(2).values.tolist(), abs=1e-4)
+
+
 def test_32_concurrent_requests_all_correct(one_by_one, engine_prompts, hf_greedy):
     with Client(one_by_one.endpoint, timeout_s=300) as client:
         with ThreadPoolExecutor(32) as pool:

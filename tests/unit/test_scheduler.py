@@ -129,7 +129,7 @@ def test_a_remote_load_holds_its_blocks_in_no_batch_and_runs_with_its_first_toke
     assert loads.started == ["remote"] and remote.status is SequenceStatus.WAITING_FOR_REMOTE_KV
     assert scheduler.block_manager.num_free_blocks == 8 - 2 - 2  # its blocks are allocated and counted
     loads.done.append(FinishedLoad("remote", 42))
-    assert scheduler.finish_loads(loads.finished_loads()) == [(remote, 42)]
+    assert scheduler.finish_loads(loads.finished_loads()) == [(remote, FinishedLoad("remote", 42))]
     assert remote.status is SequenceStatus.RUNNING and remote.num_computed_tokens == 8
     remote.token_ids.append(42)  # the engine appends the loader's token
     assert _run(scheduler) == [("local", 1), ("remote", 1)]

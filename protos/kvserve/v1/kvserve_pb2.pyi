@@ -226,7 +226,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "checksum", "num_tokens_written", "backend", "prefill_ms", "transfer_ms", "worker_id", "num_cached_tokens")
+    __slots__ = ("first_token_id", "checksum", "num_tokens_written", "backend", "prefill_ms", "transfer_ms", "worker_id", "num_cached_tokens", "first_token_logprob", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,8 @@ class PrefillResponse(_message.Message):
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     checksum: str
     num_tokens_written: int
@@ -243,7 +245,9 @@ class PrefillResponse(_message.Message):
     transfer_ms: float
     worker_id: str
     num_cached_tokens: int
-    def __init__(self, first_token_id: _Optional[int] = ..., checksum: _Optional[str] = ..., num_tokens_written: _Optional[int] = ..., backend: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., worker_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    first_token_logprob: TokenLogprob
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, first_token_id: _Optional[int] = ..., checksum: _Optional[str] = ..., num_tokens_written: _Optional[int] = ..., backend: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., worker_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., first_token_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("request_id", "fingerprint", "block_ids", "data", "checksum")
