@@ -1,0 +1,81 @@
+"""What a request's sampling features cost per output token: TPOT with each against plain decoding, same engine.
+
+    kvserve bench sampling [--model M] [--batch-sizes 1,16] [--prompt-len 128] [--max-tokens 32]
+        [--rounds 5] [--only NAME] [--save-result sampling.json]
+
+One engine runs each workload's batch (``--batch-sizes`` prompts of ``--prompt-len`` random tokens,
+``--max-tokens`` new tokens each, EOS ignored) under each side's ``SamplingParams``, the sides alternating
+round by round (this machine drifts). TPOT is the time of the decode steps after every request has its
+first token, divided by the tokens each request got in them. Reported per batch size and side: the median
+TPOT and its ratio to the plain side's. Sides:
+
+* ``plain``: greedy, nothing else;
+* ``logprobs=5``: the token's log-probability and 5 alternatives (``engine.logprobs``); target <= 1.10x;
+* ``penalties``: repetition, presence and frequency penalties (``engine.logits_processors``);
+* ``bias+min_p``: a 16-token ``logit_bias``, ``min_tokens`` and ``min_p`` at temperature 0.8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from kvserve.bench import report
+
+SIDES = {
+    "plain": {},
+    "logprobs=5": {"logprobs": 5},
+    "penalties": {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5},
+    "bias+min_p": {"temperature": 0.8, "seed": 7, "min_p": 0.05, "min_tokens": 8,
+                   "logit_bias": {t: 1.0 for t in range(100, 116)}},
+}  # fmt: skip
+
+
+def decode_tpot(engine, prompts: list[list[int]], params) -> float:
+    """Seconds per decode step once every request of the batch has its first token."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    started: set[str] = set()
+    while len(started) < len(ids):
+        started.update(out.request_id for out in engine.step() if out.new_token_ids)
+    start, num_tokens = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        num_tokens += sum(len(out.new_token_ids) for out in engine.step())
+    return (time.perf_counter() - start) / max(num_tokens / len(ids), 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvserve bench sampling", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--batch-sizes", default="1,16")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--only", default="", help="run the sides whose name starts with this (and plain)")
+    parser.add_argument("--save-result", default=None)
+    args = parser.parse_args(argv)
+
+    from engine import LLM, SamplingParams
+
+    llm = LLM(args.model)
+    vocab = llm.engine.model_config.vocab_size
+    sides = {name: s for name, s in SIDES.items() if name == "plain" or name.startswith(args.only)}
+    rows = []
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        rng = random.Random(batch)
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
+        params = {name: SamplingParams(**{"temperature": 0, "max_tokens": args.max_tokens, "ignore_eos": True, **s})
+                  for name, s in sides.items()}  # fmt: skip
+        decode_tpot(llm.engine, prompts[:1], params["plain"])  # warm-up
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(args.rounds):
+            for name in sides:
+                times[name].append(decode_tpot(llm.engine, prompts, params[name]))
+        plain = report.median(times["plain"])
+        rows += [{"batch": batch, "side": name, "tpot_ms": report.median(t) * 1e3, "ratio": report.median(t) / plain}
+                 for name, t in times.items()]  # fmt: skip
+    print(report.table(["side", "batch", "TPOT ms", "x plain"],
+                       [[r["side"], r["batch"], r["tpot_ms"], r["ratio"]] for r in rows]))  # fmt: skip
+    if args.save_result:
+        report.save_json(args.save_result, {"rows": rows, "args": vars(args)})
+    return 0
