@@ -149,3 +149,13 @@ def test_bad_values_are_refused_naming_the_field(stack, body, param):
     status, reply = _post(stack, path, {"model": MODEL, "max_tokens": 2, **body})
     assert status == 400, reply
     assert param in reply["error"]["message"], reply
+
+
+def test_max_tokens_zero_with_echo_scores_the_prompt_and_generates_nothing(client, hf_model, tokenizer):
+    ids = tokenizer.encode(PROMPT)
+    reply = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=0, temperature=0)
+    lp = reply.choices[0].logprobs
+    assert reply.usage.completion_tokens == 0 and reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].text == tokenizer.decode(ids) and len(lp.tokens) == len(ids)
+    expected = _hf(hf_model, ids)
+    assert all(abs(lp.token_logprobs[p] - float(expected[p - 1, ids[p]])) < TOLERANCE for p in range(1, len(ids)))
