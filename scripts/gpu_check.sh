@@ -17,14 +17,16 @@
 #                      compiles per batch size, so batch 256 runs the engine alone, as in issue 8's table)
 #   nixl           25  kvserve bench transfer: a 2,048-token KV of that model, VRAM to VRAM between two NIXL
 #                      agents (UCX: cuda_ipc or NVLink on one GPU), and over the grpc transport
-#   nano-vllm      35  nano-vllm's workload (256 requests, 100-1,024 tokens in and out), the engine alone
+#   nano-vllm      25  nano-vllm's workload (256 requests, 100-1,024 tokens in and out), the engine alone
 #   cluster        65  kvserve bench serve --device cuda: TTFT/TPOT of a 1P+1D cluster on this GPU against the
 #                      offline engine, and the KV hand-off of a 2,048-token prompt
-#   spec           25  kvserve bench offline --speculative ngram on that random model (token-id copy prompts; its
+#   spec           20  kvserve bench offline --speculative ngram on that random model (token-id copy prompts; its
 #                      random weights seldom copy, so this is mostly the verify step's cost on a GPU; verify
 #                      steps run eagerly: their query lengths vary with each sequence's proposals)
 #   tiers          15  kvserve bench tiers --bandwidth-only: the host KV tier's store (device -> pinned host)
 #                      and load (back) GB/s for 16, 128, 1,024 blocks of that model, against a plain copy
+#   sampling       15  kvserve bench sampling on that model: decode TPOT with logprobs=5, penalties, logit_bias
+#                      + min_p against plain decoding, batches of 1 and 16 (the fused sampler's overheads)
 #   moe-model      10  a random Qwen3-30B-A3B (its width, 128 experts, 8 per token) in 2 layers, bf16
 #   moe-offline    25  kvserve bench offline on it against transformers' generate (8 prompts of 32-128 tokens,
 #                      32 new tokens each): the grouped-GEMM experts (torch._grouped_mm) and their decode
@@ -41,13 +43,13 @@ if [ "$smoke" = 1 ]; then
     model=${GPU_CHECK_MODEL:?GPU_CHECK_SMOKE=1 needs GPU_CHECK_MODEL, a small model directory}
     batch_sizes=1,2 prompt_len=8 max_tokens=4 profile_batch=2 profile_steps=2 nano_requests=3 nano_lengths=4,8
     device=cpu transfer_tokens=64 tier_blocks=4,8
-    gpu_tests=tests/engine/test_cuda_graph.py spec_tokens=8 moe_model=$model moe_prompts=2 moe_tokens=4  # (collecting all of tests/ takes ~10 s of a CPU to run no test)
+    gpu_tests=tests/engine/test_cuda_graph.py spec_tokens=8 moe_model=$model moe_prompts=2 moe_tokens=4 sampling_rounds=1 sampling_tokens=4  # (collecting all of tests/ takes ~10 s of a CPU to run no test)
     export PYTHONPATH=. PYTHONUNBUFFERED=1
 else
     model=/tmp/qwen2-0.5b
     batch_sizes=1,64,256 prompt_len=128 max_tokens=256 profile_batch=64 profile_steps=10 nano_requests=256
     nano_lengths=100,1024 device=cuda transfer_tokens=2048 tier_blocks=16,128,1024 gpu_tests=tests spec_tokens=64
-    moe_model=/tmp/qwen3-30b-a3b moe_prompts=8 moe_tokens=32
+    moe_model=/tmp/qwen3-30b-a3b moe_prompts=8 moe_tokens=32 sampling_rounds=2 sampling_tokens=32
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || { echo "carry .whl (bash scripts/gpu_wheels.sh)"; exit 1; }
     export PYTHONPATH=".:/tmp/site" PYTHONUNBUFFERED=1
@@ -94,12 +96,14 @@ step offline 90 -m kvserve.bench.offline --model "$model" --baseline hf-static -
     --baseline-max-batch 64 --prompt-len "$prompt_len" --max-tokens "$max_tokens" --profile \
     --profile-batch "$profile_batch" --profile-steps "$profile_steps"
 step nixl 25 --smoke-parse -m kvserve.bench.transfer --device "$device" --model "$model" --tokens "$transfer_tokens" --repeats 3
-step nano-vllm 35 -m kvserve.bench.offline --model "$model" --baseline none --workload nano-vllm \
+step nano-vllm 25 -m kvserve.bench.offline --model "$model" --baseline none --workload nano-vllm \
     --nano-requests "$nano_requests" --nano-lengths "$nano_lengths"
 step cluster 65 --smoke-parse -m kvserve.bench.serve --device cuda --model "$model"
-step spec 25 -m kvserve.bench.offline --speculative ngram --model "$model" --max-tokens "$spec_tokens" \
+step spec 20 -m kvserve.bench.offline --speculative ngram --model "$model" --max-tokens "$spec_tokens" \
     --spec-rounds 1
 step tiers 15 -m kvserve.bench.tiers --bandwidth-only --device "$device" --model "$model" --blocks "$tier_blocks"
+step sampling 15 -m kvserve.bench.sampling --model "$model" --batch-sizes "1,16" --max-tokens "$sampling_tokens" \
+    --rounds "$sampling_rounds"
 step moe-model 10 --smoke-parse -m kvserve.cli model random --like qwen3-30b-a3b --layers 2 --out "$moe_model" \
     --dtype bfloat16
 step moe-offline 25 -m kvserve.bench.offline --model "$moe_model" --num-prompts "$moe_prompts" --min-len 32 \

@@ -31,7 +31,7 @@ def test_script_is_valid_bash():
 def test_step_limits_fit_one_device_call():
     names = [name for name, _ in STEPS]
     assert names == ["kernels-bench", "gpu-tests", "cuda-ipc", "random-model", "offline", "nixl", "nano-vllm",
-                     "cluster", "spec", "tiers", "moe-model", "moe-offline"]
+                     "cluster", "spec", "tiers", "sampling", "moe-model", "moe-offline"]
     assert sum(int(seconds) for _, seconds in STEPS) <= DEVICE_STEPS_BUDGET_S
 
 
@@ -49,6 +49,7 @@ def test_smoke_run_starts_every_step_and_each_exits_0(tmp_path):
     for line in ("launches per layer (eager)", "GPU busy (eager)", "GPU busy (graphs)", "engine/hf-static"):
         assert line in offline
     assert "nano-vllm workload: 3 requests" in (out / "nano-vllm.txt").read_text()
+    assert "logprobs=5" in (out / "sampling.txt").read_text()
     # nixl: two NIXL agents cost ~20 s of a CPU (tests/cluster/test_transfer_nixl.py moves KV through them)
     for parsed_only in ("random-model", "nixl", "cluster"):  # they need CUDA or minutes of a CPU
         assert "command line accepted:" in (out / f"{parsed_only}.txt").read_text()
