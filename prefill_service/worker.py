@@ -207,7 +207,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             if job.cancelled or job.expired:  # the destination blocks may already be someone else's
                 self._stop(rid, job)
                 continue
-            params = dataclasses.replace(job.params, max_tokens=1, stop=[], ignore_eos=True)
+            params = dataclasses.replace(job.params, max_tokens=1, stop=[], ignore_eos=True, n=1)
             # The table from position 0: its first ``skip`` blocks hold what the destination has and are never
             # written; we read them when the lease offers them, else a leased block stands in as a placeholder.
             # Without a pool to write (``grpc``) the hand-off only keeps our blocks for the transport to read.
