@@ -103,8 +103,8 @@ def test_stop_string_and_models_and_health(stack, client):
 @pytest.mark.parametrize("body, param_hint", [
     ({"prompt": "hi", "temperature": -1}, "temperature"),
     ({"prompt": "hi", "max_tokens": 100000}, "context"),
-    ({"prompt": "hi", "n": 2}, "n=2 is not implemented"),
-    ({"prompt": ["a", "b"]}, "batch"),
+    ({"prompt": "hi", "n": 17}, "n must be an integer in [1, 16]"),
+    ({"prompt": []}, "prompt is an empty list"),
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "hi", "top_k": 1 << 40}, "range"),
