@@ -158,7 +158,7 @@ def test_full_worker_is_429(stack, client):
 
 
 def test_disconnect_mid_stream_frees_the_blocks(stack):
-    body = (b'{"model": "m", "prompt": [' + b",".join(str(i).encode() for i in range(100, 180))
+    body = (b'{"model": "' + MODEL.encode() + b'", "prompt": [' + b",".join(str(i).encode() for i in range(100, 180))
             + b'], "max_tokens": 900, "temperature": 0, "ignore_eos": true, "stream": true}')  # fmt: skip
     port = int(stack.http_url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as conn:
