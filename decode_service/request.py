@@ -89,6 +89,15 @@ class ActiveRequest:
     prefill_sent_at: float = 0.0
     prefill_ms: float = 0.0
     transfer_ms: float = 0.0
+    num_finished: int = 0  # of its ``params.n`` choices (``engine.parallel_sampling``)
+    num_completion_tokens: int = 0  # of its finished choices
+    started: set[int] = field(default_factory=set)  # the choices that sent a message
+    prompt_entries: list[pb.TokenLogprob] = field(default_factory=list)  # ``prompt_logprobs``, from choice 0
+
+    @property
+    def done(self) -> bool:
+        """Whether every choice has finished."""
+        return self.num_finished == self.params.n
 
     @property
     def tokens(self) -> list[int]:
@@ -115,8 +124,20 @@ class ActiveRequest:
         metrics.REQUESTS.labels("decode", state.value).inc()
         self.emit(error)
 
+    def _add_prompt_logprobs(self, msg: pb.GenerateResponse, out: RequestOutput) -> None:
+        """A choice's first message carries the prompt's log-probabilities when asked (a continuation's went
+        before); choice 0 computed them (``engine.parallel_sampling``), the others repeat them."""
+        if self.params.prompt_logprobs is None or self.continuation is not None:
+            return
+        if out.prompt_logprobs is not None:
+            self.prompt_entries = logprobs_to_proto(out.prompt_logprobs[1:])
+        msg.prompt_logprobs.extend(self.prompt_entries)
+        msg.prompt_token_ids.extend(out.prompt_token_ids)
+
     def response(self, out: RequestOutput, worker_id: str) -> pb.GenerateResponse:
-        """The stream message for ``out``; the last one carries usage, timings and who served the request."""
+        """The stream message for ``out`` (choice ``out.index``); each choice's last has its finish reason, and the
+        stream's last (the last choice's) carries usage (the prompt once, every choice's completion), timings
+        and who served the request."""
         now = time.perf_counter()
         first = self.first_token_at is None
         if first:
@@ -130,16 +151,20 @@ class ActiveRequest:
             for _ in out.new_token_ids:
                 metrics.ITL.observe(gap)
         self.last_token_at = now
-        msg = pb.GenerateResponse(request_id=self.public_id, token_ids=out.new_token_ids, text=out.new_text)
+        msg = pb.GenerateResponse(request_id=self.public_id, token_ids=out.new_token_ids, text=out.new_text,
+                                  index=out.index)  # fmt: skip
         if out.new_logprobs is not None:
             msg.logprobs.extend(logprobs_to_proto(out.new_logprobs))
-        if first and out.prompt_logprobs is not None and self.continuation is None:  # (a continuation's went)
-            msg.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs[1:]))
-            msg.prompt_token_ids.extend(out.prompt_token_ids)
+        if out.index not in self.started:
+            self.started.add(out.index)
+            self._add_prompt_logprobs(msg, out)
         if out.finished:
             msg.finish_reason = out.finish_reason or ""
+            self.num_finished += 1
+            self.num_completion_tokens += out.num_output_tokens
+        if out.finished and self.done:
             msg.usage.prompt_tokens = len(self.prompt)
-            msg.usage.completion_tokens = out.num_output_tokens
+            msg.usage.completion_tokens = self.num_completion_tokens
             msg.usage.cached_prompt_tokens = self.num_cached_tokens
             msg.timings.ttft_ms = (self.first_token_at - self.received) * 1000
             msg.timings.total_ms = (now - self.received) * 1000
@@ -164,6 +189,8 @@ def validate_decode_request(request: pb.DecodeRequest, engine: LLMEngine
     prompt = engine.validate(list(request.prompt_token_ids), params)
     continuation = None
     if request.resumed_output_token_ids:  # a stream the router moved here from a worker that died or drained
+        if params.n > 1:
+            raise ValueError(f"a continuation resumes one stream; it cannot have n={params.n} choices")
         continuation = Continuation(tuple(request.resumed_output_token_ids), request.num_resumed_chars)
         vocab_size = engine.model_config.vocab_size
         check_continuation(continuation, len(prompt), params, vocab_size, engine.max_len_for(params))

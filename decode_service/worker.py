@@ -13,9 +13,11 @@
    request runs (RUNNING). A failed prefill is retried on another prefill worker, then locally; blocks its
    writer may still touch are quarantined until it ends the lease, or the lease's expiry plus a grace
    (``prefill_client.Quarantine``).
-4. Every step's tokens go to the request's stream. Every exit (FINISHED, ABORTED by a gone client, FAILED)
-   goes through ``_finish``, which aborts it in the engine (the connector cancels a prefill in flight) and
-   ends the stream; a loop error fails only the requests it concerns. SIGTERM drains: no admissions, queued
+4. Every step's tokens go to the request's stream; a request of ``n`` choices (``engine.parallel_sampling``)
+   streams them interleaved, each message with its choice's ``index``, and only choice 0 is prefilled
+   remotely: the others share its prompt's blocks once they arrived. Every exit (FINISHED, ABORTED by a gone
+   client, FAILED) goes through ``_finish``, which aborts it in the engine (the connector cancels a prefill in
+   flight) and ends the stream; a loop error fails only the requests it concerns. SIGTERM drains: no admissions, queued
    requests handed back (UNAVAILABLE), running ones finish within the drain timeout, and what still runs
    then ends with UNAVAILABLE, which the router turns into a continuation on another decode worker.
 """
@@ -203,7 +205,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
 
     def _emit(self, req: ActiveRequest, out: RequestOutput) -> None:
         req.emit(req.response(out, self.worker_id))
-        if out.finished:
+        if out.finished and req.done:
             self._finish(req, S.FINISHED)
 
     def _finish(self, req: ActiveRequest, state: RequestState, error: tuple | None = None) -> None:

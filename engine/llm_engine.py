@@ -6,7 +6,9 @@ which also picks the window it attends through) and queues a ``Sequence``
 speculator's proposals, ``engine.speculative``), execute it, then process its
 outputs: keep a verify step's accepted run, append the sampled tokens
 (``engine.output_processor``, which says what ends a request) and free the
-blocks of whatever finished. ``abort`` ends a request at once and frees its blocks.
+blocks of whatever finished. ``abort`` ends a request at once and frees its blocks. A request of ``n``
+choices is ``n`` sequences whose outputs carry its id and their ``index``; its prompt is computed once
+(``engine.parallel_sampling``).
 Both workers drive an engine through exactly these three calls; what they do
 with KV outside this engine's pool (a prefill worker's hand-off, a decode
 worker's remote prefill) is their KV connector's business (``connect``,
@@ -31,10 +33,11 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ExecutedStep, ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, StepError
+from engine.parallel_sampling import HeldChoices, choice_id, choice_params
 from engine.requests import Prompt, RequestValidator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 from engine.speculative import build_speculator, keep_accepted
 from engine.tier_connector import build_tiers
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -74,7 +77,8 @@ class LLMEngine:
         self.speculator = build_speculator(self.config, self.model_config, self.tokenizer, self.runner.num_blocks,
                                            self.max_model_len)  # fmt: skip
         self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len, self.runner.model_ring)
-        self._sequences: dict[str, Sequence] = {}
+        self._requests: dict[str, list[Sequence]] = {}  # request id -> its choices not finished yet
+        self.held = HeldChoices()
         self._ids = itertools.count()
 
     def close(self) -> None:
@@ -85,7 +89,7 @@ class LLMEngine:
     def connect(self, connector: KVConnector) -> None:
         """Route KV to and from outside through ``connector`` from now on (before the first request), after the
         engine's own memory tiers when it has them."""
-        if self._sequences:
+        if self._requests:
             raise ValueError("connect a KV connector before adding requests")
         if self.tiers is not None:
             self.tiers.then_remote = True
@@ -115,13 +119,22 @@ class LLMEngine:
         continuation: Continuation | None = None,
         kv_params: object = None,
     ) -> str:
-        """Queue a request. ``continuation`` goes on from output another worker already streamed
-        (``engine.continuation``); ``kv_params`` is the KV connector's data about it (``Sequence.kv_params``)."""
-        seq = self._new_sequence(prompt, params, request_id, continuation)
-        seq.kv_params = kv_params
-        self._sequences[seq.seq_id] = seq
-        self.scheduler.add(seq)
-        return seq.seq_id
+        """Queue a request; returns its id. ``params.n`` choices of it are sampled (``engine.parallel_sampling``);
+        ``continuation`` goes on from output another worker already streamed (``engine.continuation``; one
+        choice only); ``kv_params`` is the KV connector's data about it (``Sequence.kv_params``, every choice's)."""
+        params = params or SamplingParams()
+        if params.n > 1 and continuation is not None:
+            raise ValueError(f"a continuation resumes one stream; it cannot have n={params.n} choices")
+        seqs = [self._new_sequence(prompt, params, request_id, continuation)]
+        first = seqs[0]
+        seqs += [self._new_sequence(first.prompt_token_ids, params, first.request_id, index=i)
+                 for i in range(1, params.n)]  # fmt: skip
+        for seq in seqs:
+            seq.kv_params = kv_params
+        self._requests[first.request_id] = seqs
+        self.scheduler.add(first)
+        self.held.hold(first, seqs[1:])
+        return first.request_id
 
     def _new_sequence(
         self,
@@ -129,14 +142,20 @@ class LLMEngine:
         params: SamplingParams | None,
         request_id: str | None,
         continuation: Continuation | None = None,
+        index: int = 0,
     ) -> Sequence:
+        """Choice ``index`` of a request (``engine.parallel_sampling``)."""
         params = params or SamplingParams()
         ids = self.requests.validate(prompt, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._sequences or self.block_manager.has(request_id):
+        seq_id = choice_id(request_id, index)
+        if (index == 0 and request_id in self._requests) or self.block_manager.has(seq_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        params = choice_params(params, index)
         seq = Sequence(
-            seq_id=request_id,
+            seq_id=seq_id,
+            request_id=request_id,
+            index=index,
             prompt_token_ids=ids,
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
@@ -151,19 +170,24 @@ class LLMEngine:
 
     def release(self, request_id: str) -> None:
         """Free the blocks a finished request kept because its KV connector asked (``request_finished``)."""
-        if request_id not in self._sequences:
+        if request_id not in self._requests:
             self.block_manager.free(request_id)
 
     def abort(self, request_id: str) -> bool:
-        """End a request now and free its blocks; False when it is unknown or already finished."""
-        seq = self._sequences.pop(request_id, None)
-        if seq is None:
+        """End a request now, every choice of it, and free its blocks; False when it is unknown or finished."""
+        seqs = self._requests.pop(request_id, None)
+        if seqs is None:
             return False
-        self.scheduler.finish(seq, "abort")
+        held = self.held.drop(seqs[0]) if seqs[0].index == 0 else []
+        for seq in seqs:
+            if seq in held:  # in no queue, no blocks
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            else:
+                self.scheduler.finish(seq, "abort")
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.held)
 
     def has_running_requests(self) -> bool:
         """Whether a step would run a batch now (requests waiting for blocks or for remote KV run none)."""
@@ -207,6 +231,8 @@ class LLMEngine:
                 seq.prompt_logprobs[1:] = load.prompt_logprobs
             logprobs = None if load.logprob is None else [load.logprob]
             outputs.append(self._append_tokens(seq, [load.first_token], logprobs))
+        for seq in self.held.ready():  # their choice 0's prompt KV is computed: they may share it now
+            self.scheduler.add(seq, first=True)
         return outputs
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
@@ -241,7 +267,7 @@ class LLMEngine:
         except Exception as err:
             for seq in batch.seqs:
                 seq.spec_token_ids.clear()
-            raise StepError([seq.seq_id for seq in batch.seqs], err) from err
+            raise StepError(list(dict.fromkeys(seq.request_id for seq in batch.seqs)), err) from err
         return sampled, failed
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None
@@ -255,4 +281,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
-        self._sequences.pop(seq.seq_id, None)
+        seqs = self._requests.get(seq.request_id)
+        if seqs is not None and seq in seqs:
+            seqs.remove(seq)
+            if not seqs:
+                del self._requests[seq.request_id]

@@ -81,7 +81,8 @@ class OutputProcessor:
         new_text = detok.slice(seq.num_emitted_chars, upto)
         seq.num_emitted_chars = upto
         return RequestOutput(
-            request_id=seq.seq_id,
+            request_id=seq.request_id,
+            index=seq.index,
             prompt_token_ids=seq.prompt_token_ids,
             new_token_ids=new_token_ids,
             new_text=new_text,

@@ -28,6 +28,7 @@ class RequestOutput:
     num_external_tokens: int = 0  # tokens whose KV the KV connector loaded from outside (first admission)
     num_output_tokens: int = 0
     new_logprobs: list[TokenLogprob | None] | None = None  # of new_token_ids, when the request asked
+    index: int = 0  # which of the request's ``n`` choices this is (``engine.parallel_sampling``)
     _seq: Sequence | None = field(default=None, repr=False, compare=False)
     _num_chars: int = 0
 

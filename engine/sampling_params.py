@@ -14,6 +14,7 @@ MIN_TEMPERATURE = 1e-2
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs allows
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty is [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # and [-100, 100] for a logit_bias value
+MAX_N = 16  # choices one request may sample (``n``, engine.parallel_sampling)
 
 
 @dataclass
@@ -44,6 +45,9 @@ class SamplingParams:
     first. Both come from the model's raw distribution, ``log_softmax`` of its logits before any processing
     above, as vLLM returns by default: they say what the model thinks, whatever the request then drew.
     ``max_tokens=0`` is allowed with ``prompt_logprobs`` only: the prompt is scored and nothing generated.
+
+    ``n`` (at most ``MAX_N``) samples that many choices of the prompt, which is computed once
+    (``engine.parallel_sampling``); with a ``seed``, choice ``i`` draws from ``seed + i``, as vLLM's do.
     """
 
     temperature: float = 1.0
@@ -66,6 +70,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +101,8 @@ class SamplingParams:
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), "
                              f"got {self.repetition_penalty}")  # fmt: skip
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}] (choices to sample), got {self.n!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):

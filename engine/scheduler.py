@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv_connector import FinishedLoad, KVConnector
+from engine.parallel_sampling import choice_id
 from engine.sequence import Sequence, SequenceStatus
 from kvstore import Block, BlockManager
 
@@ -69,8 +70,12 @@ class Scheduler:
         self.num_preemptions = 0
         self._passed_over: dict[str, int] = {}  # seq id -> admissions that went past it while it did not fit
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, seq: Sequence, first: bool = False) -> None:
+        """Queue ``seq`` last, or ``first`` (a choice of a request already admitted, ``engine.parallel_sampling``)."""
+        if first:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv)
@@ -121,8 +126,7 @@ class Scheduler:
         passed: list[Sequence] = []
         while self.waiting and len(passed) < LOOKAHEAD and self._num_slots_used() < self.max_num_seqs:
             seq = self.waiting[0]
-            # positions whose prompt log-probabilities are wanted have no logits in a cache: compute them
-            cached = [] if seq.wants_prompt_logprobs else self.block_manager.match_prefix(seq.token_ids, seq.ring)
+            cached = self._prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
             may_load = _may_load(seq) and (self.connector.brings_logits or not seq.wants_prompt_logprobs)
             num_external, later = self.connector.num_external_tokens(seq, num_cached) if may_load else (0, False)
@@ -154,6 +158,18 @@ class Scheduler:
             self.connector.after_allocate(seq, num_external)
         self.waiting.extendleft(reversed(passed))
         return admitted
+
+    def _prefix(self, seq: Sequence) -> list[Block]:
+        """The blocks ``seq`` starts with, their KV computed: a later choice of a request shares its choice 0's
+        prompt blocks (``engine.parallel_sampling``) or the prefix cache's hit, the longer. None of them for a sequence
+        whose prompt log-probabilities are wanted: a cache holds no logits, so it computes its positions."""
+        if seq.wants_prompt_logprobs:
+            return []
+        hit = self.block_manager.match_prefix(seq.token_ids, seq.ring)
+        if seq.index == 0:
+            return hit
+        shared = self.block_manager.shared_prefix(choice_id(seq.request_id, 0), seq.num_prompt_tokens - 1)
+        return shared if len(shared) > len(hit) else hit
 
     def _num_slots_used(self) -> int:
         return len(self.running) + len(self.waiting_for_kv)

@@ -41,6 +41,8 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
+    request_id: str = ""  # the request it is a choice of (``engine.parallel_sampling``); "": ``seq_id``
+    index: int = 0  # which choice of that request it is
     sampling_seed: int = 0  # the int64 seed of its random stream (engine.sampler: drawn when it brought none)
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -64,6 +66,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
 
     def __post_init__(self) -> None:
+        self.request_id = self.request_id or self.seq_id
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 

@@ -4,6 +4,11 @@ A prompt is text, a list of token ids, or chat messages (a list of ``{"role", "c
 rendered with the model's chat template). Errors arrive as ``grpc.RpcError`` with the server's
 status code and message. A router started with an API key wants it with every call: ``api_key=``, by
 default ``$KVSERVE_API_KEY``.
+
+``n=k`` samples k choices of the prompt (computed once): ``stream`` yields their chunks interleaved, each with
+its ``index``, and ``generate`` returns a list of k ``Result``s, by index (with ``n`` unset or 1, one
+``Result``, as ever). The request's usage (the prompt once, every choice's completion tokens), timings and
+workers come on the stream's last chunk; with ``n=k`` every ``Result`` carries them.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class Chunk:
     logprobs: list[Logprob] | None = None  # of token_ids, when asked for (``logprobs=k``)
     prompt_logprobs: list[Logprob] | None = None  # first chunk, of prompt tokens 1, 2, ... (``prompt_logprobs=k``)
     prompt_token_ids: list[int] | None = None  # first chunk, with prompt_logprobs
+    index: int = 0  # the choice it belongs to (``n=k``: 0 .. k-1)
 
 
 @dataclass
@@ -67,13 +73,13 @@ def _logprobs(entries) -> list[Logprob]:
 
 
 def _chunk(msg: pb.GenerateResponse) -> Chunk:
-    chunk = Chunk(list(msg.token_ids), msg.text)
+    chunk = Chunk(list(msg.token_ids), msg.text, index=msg.index)
     if msg.logprobs:
         chunk.logprobs = _logprobs(msg.logprobs)
     if msg.prompt_token_ids:
         chunk.prompt_logprobs, chunk.prompt_token_ids = _logprobs(msg.prompt_logprobs), list(msg.prompt_token_ids)
-    if msg.finish_reason:
-        chunk.finish_reason = msg.finish_reason
+    chunk.finish_reason = msg.finish_reason or None
+    if msg.HasField("usage"):  # the stream's last message
         chunk.usage = {"prompt_tokens": msg.usage.prompt_tokens, "completion_tokens": msg.usage.completion_tokens,
                        "cached_prompt_tokens": msg.usage.cached_prompt_tokens}  # fmt: skip
         chunk.timings = {"ttft_ms": msg.timings.ttft_ms, "total_ms": msg.timings.total_ms,
@@ -101,6 +107,19 @@ def _result(chunks: list[Chunk]) -> Result:
     )
 
 
+def _results(chunks: list[Chunk], n: int | None) -> Result | list[Result]:
+    """One ``Result`` (``n`` unset or 1), else one per choice by index, each with the request's usage."""
+    if not n or n == 1:
+        return _result(chunks)
+    results = [_result([c for c in chunks if c.index == i]) for i in range(n)]
+    final = next((c for c in reversed(chunks) if c.usage), None)
+    for result in results if final is not None else ():
+        result.usage, result.timings = final.usage, final.timings
+        result.transfer_backend, result.decode_worker, result.prefill_worker = (
+            final.transfer_backend, final.decode_worker, final.prefill_worker)  # fmt: skip
+    return results
+
+
 class Client:
     """A client of the router's public port; ``credentials`` (``grpc.ssl_channel_credentials``) when it serves TLS;
     ``api_key`` (default ``$KVSERVE_API_KEY``) when it wants one."""
@@ -125,8 +144,9 @@ class Client:
         for msg in call:
             yield _chunk(msg)
 
-    def generate(self, prompt: Prompt, **options) -> Result:
-        return _result(list(self.stream(prompt, **options)))
+    def generate(self, prompt: Prompt, **options) -> Result | list[Result]:
+        """The whole answer: a ``Result``, or with ``n=k`` (k > 1) a list of k, by choice."""
+        return _results(list(self.stream(prompt, **options)), options.get("n"))
 
     def close(self) -> None:
         self._channel.close()
@@ -161,8 +181,8 @@ class AsyncClient:
         async for msg in call:
             yield _chunk(msg)
 
-    async def generate(self, prompt: Prompt, **options) -> Result:
-        return _result([c async for c in self.stream(prompt, **options)])
+    async def generate(self, prompt: Prompt, **options) -> Result | list[Result]:
+        return _results([c async for c in self.stream(prompt, **options)], options.get("n"))
 
     async def close(self) -> None:
         await self._channel.close()

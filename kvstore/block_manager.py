@@ -212,6 +212,17 @@ class BlockManager:
         holding = self._holdings.get(seq_id)
         return EMPTY_TABLE if holding is None else holding.view
 
+    def shared_prefix(self, seq_id: str, num_tokens: int) -> list[Block]:
+        """``seq_id``'s blocks that hold its first ``num_tokens`` tokens' full blocks, for a sequence that starts
+        with the same tokens to share (``allocate(..., cached=...)``; ``engine.parallel_sampling``); the caller
+        vouches that their KV is computed. [] for an unknown id or a ring (it overwrites its blocks); with
+        caching, only blocks already cached (their hashes go to the sharer's table)."""
+        holding = self._holdings.get(seq_id)
+        if holding is None or holding.ring is not None:
+            return []
+        n = min(num_tokens // self.block_size, len(holding.blocks))
+        return holding.blocks[: min(n, len(holding.content_ids)) if self.enable_caching else n]
+
     def has(self, seq_id: str) -> bool:
         return seq_id in self._holdings
 

@@ -211,7 +211,8 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                 self._stop(rid, job)
                 continue
             # one token, drawn as the decode worker would (min_tokens keeps it from being an end token there too)
-            params = dataclasses.replace(job.params, max_tokens=1, min_tokens=min(job.params.min_tokens, 1), stop=[])
+            params = dataclasses.replace(job.params, max_tokens=1, min_tokens=min(job.params.min_tokens, 1), stop=[],
+                                         n=1)  # fmt: skip
             # The table from position 0: its first ``skip`` blocks hold what the destination has and are never
             # written; we read them when the lease offers them, else a leased block stands in as a placeholder.
             # Without a pool to write (``grpc``) the hand-off only keeps our blocks for the transport to read.

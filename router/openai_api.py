@@ -20,10 +20,9 @@ its blocks.
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
-from contextlib import aclosing, suppress
+from collections.abc import Awaitable, Sequence
+from contextlib import suppress
 from typing import Any, TypeVar
 
 import grpc
@@ -37,7 +36,8 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from router import openai_protocol as api
 from router.limits import FrontDoor, HttpFrontDoor
 from router.openai_fields import FieldError
-from router.openai_logprobs import Choice, TokenText
+from router.openai_logprobs import TokenText
+from router.openai_response import Choices, collect, completion, events, merged
 from router.server import RouteError, Router
 from router.validation_queue import ValidationBusy
 from rpc.streams import cancel_when_stalled
@@ -130,30 +130,32 @@ async def _serve(router: Router, model: str, body: api.CompletionRequest | api.C
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
         body.check_fields()
-        proto = body.to_proto(request_id)
+        protos = [body.to_proto(request_id)] if chat else body.to_protos(request_id)
         message_fields = body.message_fields() if isinstance(body, api.ChatCompletionRequest) else None
     except ValueError as err:
         return _error(grpc.StatusCode.INVALID_ARGUMENT, str(err), getattr(err, "param", None))
     try:
-        choice = await _choice(router, body, proto, chat)
+        echoes = [await _echo(router, body, proto, chat) for proto in protos]
     except ValueError as err:
         return _error(grpc.StatusCode.INVALID_ARGUMENT, str(err), "prompt")
-    stream = router.generate(proto, message_fields=message_fields)
+    logprobs = protos[0].sampling.HasField("logprobs")
+    choices = Choices(chat, TokenText(router.tokenizer), logprobs, echoes, body.n or 1)
+    stream = merged([router.generate(proto, message_fields=message_fields) for proto in protos])
     try:
         if not body.stream:
-            text, last, logprobs = await _unless_gone(request, _collect(stream, choice))
+            await _unless_gone(request, collect(stream, choices))
             await stream.aclose()
-            return JSONResponse(api.completion(request_id, model, chat, text, last, logprobs))
+            return JSONResponse(completion(request_id, model, choices))
         first = await _unless_gone(request, anext(stream, None))
     except RouteError as err:
         await stream.aclose()
         return _error(err.code, err.details)
     except _ClientGone:
-        await stream.aclose()  # cancels the decode call: its blocks are freed
+        await stream.aclose()  # cancels the decode calls: their blocks are freed
         return Response(status_code=_CLIENT_GONE)
-    events = cancel_when_stalled(_events(stream, first, request_id, model, choice, body.include_usage),
-                                 router.stream_idle_timeout_s, f"HTTP {request_id}")  # fmt: skip
-    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    sse_events = cancel_when_stalled(events(stream, first, request_id, model, choices, body.include_usage),
+                                     router.stream_idle_timeout_s, f"HTTP {request_id}")  # fmt: skip
+    return StreamingResponse(sse_events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 async def _tokenize(router: Router, body: api.TokenizeRequest) -> Response:
@@ -208,57 +210,18 @@ async def _detokenize(router: Router, body: api.DetokenizeRequest) -> Response:
     return JSONResponse({"prompt": text})
 
 
-async def _choice(router: Router, body: api.CompletionRequest | api.ChatCompletionRequest, proto: pb.GenerateRequest,
-                  chat: bool) -> Choice:  # fmt: skip
-    """How the answer's pieces are shown: with the prompt first (completions' ``echo``: as sent, token ids
-    decoded), with log-probabilities when asked."""
-    echo = None
-    if not chat and body.echo:
-        kind = proto.WhichOneof("prompt")
-        if kind == "text":
-            echo = proto.text
-        elif router.tokenizer is None:
-            raise ValueError("echo of token ids needs the model's tokenizer, and this router runs without one")
-        else:
-            ids = list(proto.token_ids.ids)
-            echo = await router.run_tokenizer(len(ids), lambda: router.tokenizer.decode(ids))
-    logprobs = proto.sampling.HasField("logprobs")
-    return Choice(chat, TokenText(router.tokenizer), logprobs, echo)
-
-
-async def _collect(stream: AsyncIterator[pb.GenerateResponse], choice: Choice
-                   ) -> tuple[str, pb.GenerateResponse, dict[str, Any] | None]:  # fmt: skip
-    texts, logprobs, last = [], [], pb.GenerateResponse()
-    async for msg in stream:
-        text, piece = choice.piece(msg)
-        texts.append(text)
-        logprobs.append(piece)
-        last = msg
-    return "".join(texts), last, choice.join(logprobs)
-
-
-async def _events(stream: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse | None, request_id: str,
-                  model: str, choice: Choice, include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
-    """SSE events: one per router message, the usage event when asked, ``[DONE]``. Starlette cancels this
-    generator when the client disconnects; closing ``stream`` then cancels the decode call."""
-    async with aclosing(stream):
-        msg, last = first, first
-        try:
-            while msg is not None:
-                text, logprobs = choice.piece(msg)
-                yield _sse(api.chunk(request_id, model, choice.chat, text, msg.finish_reason or None, msg is first,
-                                     logprobs=logprobs))  # fmt: skip
-                last, msg = msg, await anext(stream, None)
-        except RouteError as err:
-            yield _sse(api.error(err.code, err.details)[1])
-        else:
-            if include_usage and last is not None:
-                yield _sse(api.chunk(request_id, model, choice.chat, "", None, False, usage_of=last))
-    yield "data: [DONE]\n\n"
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+async def _echo(router: Router, body: api.CompletionRequest | api.ChatCompletionRequest, proto: pb.GenerateRequest,
+                chat: bool) -> str | None:  # fmt: skip
+    """The prompt shown before its choices' text (completions' ``echo``: as sent, token ids decoded); None
+    without ``echo``."""
+    if chat or not body.echo:
+        return None
+    if proto.WhichOneof("prompt") == "text":
+        return proto.text
+    if router.tokenizer is None:
+        raise ValueError("echo of token ids needs the model's tokenizer, and this router runs without one")
+    ids = list(proto.token_ids.ids)
+    return await router.run_tokenizer(len(ids), lambda: router.tokenizer.decode(ids))
 
 
 def _error(code: grpc.StatusCode, message: str, param: str | None = None) -> JSONResponse:

@@ -5,7 +5,7 @@ A field of a ``/v1/completions`` or ``/v1/chat/completions`` body is one of:
 * served: declared on the request models of ``router.openai_protocol`` (OpenAI's, and the vLLM extras kvserve
   implements: ``top_k``, ``ignore_eos``, ...);
 * ``UNSERVED``: OpenAI's fields kvserve does not implement, each with the values that ask for nothing (null,
-  its default: ``n: 1``, ``logprobs: false``, ``presence_penalty: 0``). Such a value is accepted; any other is
+  its default: ``suffix: ""``, ``tools: []``). Such a value is accepted; any other is
   refused with 400 naming the field, never silently dropped. Implementing a field removes its entry here
   and declares it on the request models;
 * ``IGNORED``: OpenAI's fields that change no answer kvserve gives (who the user is, what to store, which
@@ -25,8 +25,6 @@ log = logging.getLogger(__name__)
 
 # field -> the values (besides null) that ask for nothing, the first being the one to suggest
 UNSERVED: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
-    "best_of": (1,),
     "suffix": ("",),
     "response_format": ({"type": "text"},),
     "tools": ([],),

@@ -1,13 +1,14 @@
-"""The OpenAI-compatible wire format: request bodies (pydantic), their translation into the one public
-``pb.GenerateRequest``, and the JSON objects sent back (completions, chat completions, their stream chunks,
-usage, errors).
+"""The OpenAI-compatible wire format: request bodies (pydantic), their translation into the public
+``pb.GenerateRequest`` (one per prompt), and error objects (the answers: ``router.openai_response``).
 
 Field names follow OpenAI and vLLM: ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``,
 ``top_p``, ``top_k``, ``seed``, ``stop`` (a string or a list), ``stop_token_ids``, ``ignore_eos``,
 ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``min_tokens``, ``min_p``, ``logit_bias``,
 log-probabilities (completions: ``logprobs`` k and ``echo``; chat: ``logprobs`` and ``top_logprobs``; both:
 vLLM's ``prompt_logprobs``), kvserve's StreamingLLM options ``streaming_window`` and ``streaming_sinks``, and
-``speculative`` (false: no speculative decoding for this request). Fields declared nowhere here go to
+``speculative`` (false: no speculative decoding for this request), ``n`` (that many choices of each prompt, at
+most 16; completions' ``best_of`` only equal to it) and, for completions, a ``prompt`` that is a list of
+prompts (texts or token-id lists: choice ``i * n + j`` is prompt i's sample j). Fields declared nowhere here go to
 ``router.openai_fields``: OpenAI's that kvserve does not implement are refused unless their value asks for
 nothing, the rest are ignored.
 Only types are checked here; every rule on values lives in ``rpc.validation``, which the router applies
@@ -19,7 +20,6 @@ tool call ids, names) goes beside it to the chat template (``message_fields``).
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
 import grpc
@@ -75,6 +75,7 @@ class _Common(_Body):
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM's: the prompt's log-probabilities, without echoing it
+    n: int | None = None  # choices per prompt (rpc.validation: at most 16)
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -86,7 +87,8 @@ class _Common(_Body):
                 "speculative": self.speculative, "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "min_tokens": self.min_tokens, "min_p": self.min_p,
                 "logit_bias": _token_bias(self.logit_bias), "logprobs": logprobs,
-                "prompt_logprobs": self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs}  # fmt: skip
+                "prompt_logprobs": self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                "n": self.n}  # fmt: skip
 
     @property
     def include_usage(self) -> bool:
@@ -97,15 +99,22 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: bool | int | None = None  # each token's and its k most likely alternatives (k <= 20); false: none
     echo: bool | None = None  # the prompt before the completion, with its log-probabilities when logprobs is set
+    best_of: int | None = None  # candidates per prompt: only n of them (none are ranked away)
 
-    def to_proto(self, request_id: str) -> pb.GenerateRequest:
-        """Raises ``ValueError`` for what protobuf cannot hold (a batch of prompts, an int past 32 bits)."""
+    def to_protos(self, request_id: str) -> list[pb.GenerateRequest]:
+        """One request per prompt (ids ``<request_id>-<i>`` for a list of several). Raises ``ValueError`` for
+        what protobuf cannot hold (an int past 32 bits)."""
         if self.logprobs is True:
             raise FieldError("logprobs", "logprobs of a completion is a count of alternatives (0 to 20), not true")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise FieldError("best_of", f"best_of={self.best_of} is not implemented by this server (no candidates "
+                             f"are ranked away); leave it out or send n={self.n or 1}")  # fmt: skip
         logprobs = None if self.logprobs is False else self.logprobs
-        prompt_logprobs = logprobs if self.echo else None
-        return _build(_one_prompt(self.prompt), request_id, self.sampling(self.max_tokens, logprobs,
-                                                                          prompt_logprobs))  # fmt: skip
+        sampling = self.sampling(self.max_tokens, logprobs, logprobs if self.echo else None)
+        prompts = _prompts(self.prompt)
+        if len(prompts) == 1:
+            return [_build(prompts[0], request_id, sampling)]
+        return [_build(prompt, f"{request_id}-{i}", sampling) for i, prompt in enumerate(prompts)]
 
 
 class ContentPart(BaseModel):
@@ -197,12 +206,13 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
-def _one_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise FieldError("prompt", f"prompt is a batch of {len(prompt)}; send one prompt per request")
-        return prompt[0]
-    return prompt
+def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a completions ``prompt``: one (text or token ids), or a list of them."""
+    if isinstance(prompt, list) and not prompt:
+        raise FieldError("prompt", "prompt is an empty list; send a prompt (text or token ids) or a list of them")
+    if isinstance(prompt, list) and isinstance(prompt[0], str | list):
+        return list(prompt)
+    return [prompt]
 
 
 def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -222,43 +232,6 @@ def _build(prompt, request_id: str, sampling: dict[str, Any]) -> pb.GenerateRequ
         return build_request(prompt, request_id=request_id, **sampling)
     except (TypeError, ValueError) as err:  # protobuf's range checks (int32, int64)
         raise ValueError(f"a field is out of range: {err}") from None
-
-
-def usage(msg: pb.GenerateResponse) -> dict[str, Any]:
-    u = msg.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}  # fmt: skip
-
-
-def completion(request_id: str, model: str, chat: bool, text: str, last: pb.GenerateResponse,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    """The whole answer (``stream`` false)."""
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs}
-    choice["finish_reason"] = last.finish_reason or None
-    return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage(last)}  # fmt: skip
-
-
-def chunk(request_id: str, model: str, chat: bool, text: str, finish_reason: str | None, first: bool,
-          usage_of: pb.GenerateResponse | None = None, logprobs: dict[str, Any] | None = None
-          ) -> dict[str, Any]:  # fmt: skip
-    """One streamed event; with ``usage_of``, the closing usage event (no choices), as OpenAI sends it."""
-    if usage_of is not None:
-        choices = []
-    elif chat:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choices = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
-    else:
-        choices = [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
-    body = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": choices}  # fmt: skip
-    if usage_of is not None:
-        body["usage"] = usage(usage_of)
-    return body
 
 
 def error(code: grpc.StatusCode, message: str, param: str | None = None) -> tuple[int, dict[str, Any]]:

@@ -19,7 +19,9 @@
    at SIGTERM) is replaced too: the next worker gets the prompt plus the tokens already relayed and the
    number of characters sent (``DecodeRequest.resumed_output_token_ids``), computes their KV and goes on as
    the first would have (greedy and seeded requests give the same tokens), so the client sees one
-   uninterrupted stream (``--migrate-streams false``: the error goes to the client instead). When every
+   uninterrupted stream (``--migrate-streams false``: the error goes to the client instead). A stream of
+   ``n > 1`` choices (their messages interleaved, each with its ``index``) does not move: the client gets the
+   error, never a choice's tokens twice. When every
    worker tried was full the client gets RESOURCE_EXHAUSTED (HTTP 429), else UNAVAILABLE. A client that
    cancels cancels the decode call, which frees its blocks.
 """
@@ -177,6 +179,10 @@ class Router(pb_grpc.InferenceServicer):
                         migratable = _MIGRATABLE if self.migrate_streams else set()
                         if err.code() not in _RETRYABLE or (relayed.tokens and err.code() not in migratable):
                             raise RouteError(err.code(), err.details() or "decode worker failed") from None
+                        if relayed.tokens and params.n > 1:  # its choices' streams do not move: end it honestly
+                            raise RouteError(err.code(), f"decode worker {worker.worker_id} failed after streaming "
+                                             f"part of {params.n} choices; a stream of several choices does not "
+                                             "move to another worker: retry the request") from None  # fmt: skip
                         if err.code() == grpc.StatusCode.UNAVAILABLE:
                             self.health.bench(worker)
                         errors.append((err.code(), f"{worker.worker_id}: {err.code().name} {err.details()}"))

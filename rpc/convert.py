@@ -12,7 +12,7 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 # the optional scalar fields of ``pb.SamplingOptions``, named as in ``SamplingParams``
 _OPTIONAL = ("temperature", "top_p", "top_k", "seed", "max_tokens", "repetition_penalty", "streaming_window",
              "streaming_sinks", "speculative", "presence_penalty", "frequency_penalty", "min_tokens", "min_p",
-             "logprobs", "prompt_logprobs")  # fmt: skip
+             "logprobs", "prompt_logprobs", "n")  # fmt: skip
 
 
 def sampling_from_proto(opts: pb.SamplingOptions) -> SamplingParams:

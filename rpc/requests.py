@@ -16,7 +16,7 @@ API_KEY_ENV = "KVSERVE_API_KEY"  # the router's API key, and the one its clients
 Prompt = str | list[int] | list[dict[str, str]]
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "streaming_window",
              "streaming_sinks", "speculative", "presence_penalty", "frequency_penalty", "min_tokens", "min_p",
-             "logprobs", "prompt_logprobs")  # fmt: skip
+             "logprobs", "prompt_logprobs", "n")  # fmt: skip
 
 
 def build_request(
@@ -41,10 +41,12 @@ def build_request(
     logit_bias: dict[int, float] | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    n: int | None = None,
     request_id: str = "",
 ) -> pb.GenerateRequest:
     """``prompt`` is text, token ids or chat messages (``{"role", "content"}`` dicts); ``None`` options stay
-    unset, so the server applies its defaults (``engine.sampling_params.SamplingParams`` says what each does)."""
+    unset, so the server applies its defaults (``engine.sampling_params.SamplingParams`` says what each does;
+    ``n``: that many choices, their messages told apart by ``GenerateResponse.index``)."""
     values = locals()
     sampling = pb.SamplingOptions(
         stop=[stop] if isinstance(stop, str) else list(stop or []),

@@ -245,10 +245,10 @@ def test_the_wire_and_the_openai_body_carry_the_per_request_switch():
     assert sampling_from_proto(pb.SamplingOptions()).speculative is True  # unset: the worker speculates
     assert build_request("hi", speculative=False).sampling.speculative is False
     assert not build_request("hi").sampling.HasField("speculative")
-    assert CompletionRequest(prompt=[1, 2], speculative=False).to_proto("r").sampling.HasField("speculative")
+    assert CompletionRequest(prompt=[1, 2], speculative=False).to_protos("r")[0].sampling.HasField("speculative")
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], speculative=False)
     assert chat.to_proto("r").sampling.speculative is False
-    assert not CompletionRequest(prompt="hi").to_proto("r").sampling.HasField("speculative")
+    assert not CompletionRequest(prompt="hi").to_protos("r")[0].sampling.HasField("speculative")
 
 
 # -- a draft model ------------------------------------------------------------------------------------------

@@ -80,11 +80,11 @@ def test_the_wire_carries_the_options_and_leaves_unset_ones_unset():
 
 def test_the_openai_body_takes_the_same_names():
     body = CompletionRequest(prompt=[1, 2, 3], max_tokens=5, streaming_window=64, streaming_sinks=2)
-    sampling = body.to_proto("r").sampling
+    sampling = body.to_protos("r")[0].sampling
     assert (sampling.streaming_window, sampling.streaming_sinks) == (64, 2)
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], streaming_window=32)
     assert chat.to_proto("r").sampling.streaming_window == 32
-    assert not CompletionRequest(prompt="hi").to_proto("r").sampling.HasField("streaming_window")
+    assert not CompletionRequest(prompt="hi").to_protos("r")[0].sampling.HasField("streaming_window")
 
 
 def test_the_router_lifts_the_context_bound_for_a_streaming_request():

@@ -63,7 +63,6 @@ def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context(client):
 
 @pytest.mark.parametrize("path, field, value", [
     ("/v1/chat/completions", "logprobs", True),
-    ("/v1/chat/completions", "n", 2),
     ("/v1/chat/completions", "presence_penalty", 0.5),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "get_weather"}}]),
     ("/v1/chat/completions", "response_format", {"type": "json_object"}),

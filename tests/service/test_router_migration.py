@@ -75,3 +75,14 @@ def test_with_migration_off_the_client_gets_the_error(two_flaky_workers):
             tokens += chunk.token_ids
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and tokens == [11, 12]
     assert sum(len(w.requests) for w in workers) == 1
+
+
+def test_a_stream_of_several_choices_is_not_moved(two_flaky_workers):
+    """Its choices' tokens interleave: resuming them as one stream would be wrong, so the client gets the error."""
+    _, address, workers = two_flaky_workers
+    tokens = []
+    with Client(address, timeout_s=30) as client, pytest.raises(grpc.RpcError) as err:
+        for chunk in client.stream([1, 2, 3], max_tokens=3, temperature=0, n=2):
+            tokens += chunk.token_ids
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "several choices" in err.value.details()
+    assert tokens == [11, 12] and sum(len(w.requests) for w in workers) == 1

@@ -44,7 +44,7 @@ def test_values_that_ask_for_nothing_are_accepted(fields):
 
 
 @pytest.mark.parametrize("name, value", [
-    ("n", 2), ("best_of", 3), ("suffix", "!"), ("response_format", {"type": "json_object"}),
+    ("suffix", "!"), ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("audio", {"voice": "alloy"}),
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
@@ -56,6 +56,20 @@ def test_unimplemented_behaviour_is_refused_naming_the_field(name, value):
         with pytest.raises(FieldError, match=f"^{name}=") as err:
             body.check_fields()
         assert err.value.param == name
+
+
+def test_n_and_a_list_of_prompts_make_one_request_per_prompt_and_best_of_must_be_n():
+    protos = CompletionRequest(prompt=[[1, 2], [3]], n=3, best_of=3).to_protos("cmpl-1")
+    assert [p.request_id for p in protos] == ["cmpl-1-0", "cmpl-1-1"]
+    assert [list(p.token_ids.ids) for p in protos] == [[1, 2], [3]] and protos[0].sampling.n == 3
+    assert not _completion().to_protos("r")[0].sampling.HasField("n")
+    for body in (_completion(n=2, best_of=3), _completion(best_of=2)):
+        with pytest.raises(FieldError, match="^best_of=") as err:
+            body.to_protos("r")
+        assert err.value.param == "best_of"
+    with pytest.raises(FieldError, match="empty list") as err:
+        CompletionRequest(prompt=[]).to_protos("r")
+    assert err.value.param == "prompt"
 
 
 def test_an_unknown_field_is_ignored_and_logged_once(caplog, monkeypatch):
