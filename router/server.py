@@ -176,29 +176,34 @@ class Router(pb_grpc.InferenceServicer):
                             yield msg
                         return
                     except grpc.RpcError as err:
-                        migratable = _MIGRATABLE if self.migrate_streams else set()
-                        if err.code() not in _RETRYABLE or (relayed.tokens and err.code() not in migratable):
-                            raise RouteError(err.code(), err.details() or "decode worker failed") from None
-                        if relayed.tokens and params.n > 1:  # its choices' streams do not move: end it honestly
-                            raise RouteError(err.code(), f"decode worker {worker.worker_id} failed after streaming "
-                                             f"part of {params.n} choices; a stream of several choices does not "
-                                             "move to another worker: retry the request") from None  # fmt: skip
-                        if err.code() == grpc.StatusCode.UNAVAILABLE:
-                            self.health.bench(worker)
-                        errors.append((err.code(), f"{worker.worker_id}: {err.code().name} {err.details()}"))
-                        if relayed.tokens:
-                            metrics.MIGRATIONS.inc()
-                            log.warning("decode worker %s failed after %d tokens (%s); moving the stream to another",
-                                        worker.worker_id, len(relayed.tokens), err.code().name)  # fmt: skip
-                        else:
-                            log.warning("decode worker %s failed before its first token (%s); trying another",
-                                        worker.worker_id, err.code().name)  # fmt: skip
+                        errors.append(self._failed(err, worker, relayed, params.n))
                     finally:
                         call.cancel()  # a no-op once it ended; otherwise the client left, and its blocks are freed
         # only when every worker tried was full is it the client's signal to slow down (HTTP 429)
         full = all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _ in errors)
         raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.UNAVAILABLE,
                          "every decode worker tried failed: " + "; ".join(text for _, text in errors))  # fmt: skip
+
+    def _failed(self, err: grpc.RpcError, worker: WorkerInfo, relayed: Relayed, n: int) -> tuple[grpc.StatusCode, str]:
+        """A decode call that failed: ``RouteError`` when the stream cannot go on elsewhere, else (its code, a
+        line saying what happened) and the stream tries the next worker (migrating what was relayed)."""
+        migratable = _MIGRATABLE if self.migrate_streams else set()
+        if err.code() not in _RETRYABLE or (relayed.tokens and err.code() not in migratable):
+            raise RouteError(err.code(), err.details() or "decode worker failed") from None
+        if relayed.tokens and n > 1:  # its choices' streams do not move: end it honestly
+            raise RouteError(err.code(), f"decode worker {worker.worker_id} failed after streaming part of {n} "
+                             "choices; a stream of several choices does not move to another worker: retry the "
+                             "request") from None  # fmt: skip
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            self.health.bench(worker)
+        if relayed.tokens:
+            metrics.MIGRATIONS.inc()
+            log.warning("decode worker %s failed after %d tokens (%s); moving the stream to another",
+                        worker.worker_id, len(relayed.tokens), err.code().name)  # fmt: skip
+        else:
+            log.warning("decode worker %s failed before its first token (%s); trying another",
+                        worker.worker_id, err.code().name)  # fmt: skip
+        return err.code(), f"{worker.worker_id}: {err.code().name} {err.details()}"
 
     async def run_tokenizer(self, num_chars: int, work: Callable[[], _T]) -> _T:
         """``work()``, which uses ``tokenizer``, on the validation thread (``ValidationQueue.run``): the HTTP
