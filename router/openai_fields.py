@@ -28,7 +28,6 @@ UNSERVED: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "best_of": (1,),
     "suffix": ("",),
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none", "auto"),  # with no tools, "auto" calls none
     "parallel_tool_calls": (True, False),  # means nothing while tools are refused; goes with them

@@ -66,7 +66,6 @@ def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context(client):
     ("/v1/chat/completions", "n", 2),
     ("/v1/chat/completions", "presence_penalty", 0.5),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "get_weather"}}]),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/completions", "echo", True),
     ("/v1/completions", "logprobs", 1),
     ("/v1/completions", "logit_bias", {"13": 10}),
