@@ -184,8 +184,9 @@ class GrammarState:
 
     @property
     def ready(self) -> bool:
-        """Whether the grammar is compiled (or failed to: ``failed``), so the sequence may be scheduled."""
-        return self._compiled.done()
+        """Whether the grammar is compiled, so the sequence may be scheduled (one that failed to compile,
+        ``failed``, never is: the engine ends it)."""
+        return self._compiled.done() and self._compiled.exception() is None
 
     @property
     def failed(self) -> bool:

@@ -48,6 +48,7 @@ def constrained(spec: StructuredOutput, temperature: float = 0.0, **kw) -> Sampl
     return SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, structured_output=spec, **kw)
 
 
+@pytest.mark.slow  # 200 generations a schema: 1.5 to 3.5 minutes each on a loaded 2-core CPU
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_every_sampled_output_is_valid_against_its_schema(big_llm, name):
     schema = SCHEMAS[name]
