@@ -1,8 +1,9 @@
 """The engine loop: requests in, one scheduled step at a time, outputs out.
 
 A request's life: ``add_request`` validates and tokenizes it (``engine.requests``,
-which also picks the window it attends through) and queues a ``Sequence``
-(WAITING). Each ``step`` is the loop's one turn: schedule a batch (after the
+which also picks the window it attends through), starts compiling its
+structured output's grammar if it has one (``engine.structured_output``) and
+queues a ``Sequence`` (WAITING). Each ``step`` is the loop's one turn: schedule a batch (after the
 speculator's proposals, ``engine.speculative``), execute it, then process its
 outputs: keep a verify step's accepted run, append the sampled tokens
 (``engine.output_processor``, which says what ends a request) and free the
@@ -39,6 +40,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative import build_speculator, keep_accepted
+from engine.structured_output import GrammarCompiler, GrammarState
 from engine.tier_connector import build_tiers
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvstore import BlockManager
@@ -79,9 +81,14 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len, self.runner.model_ring)
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its choices not finished yet
         self.held = HeldChoices()
+        self.grammars = None if self.tokenizer is None else GrammarCompiler(
+            self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids))  # fmt: skip
+        self._num_failed_grammars = 0
         self._ids = itertools.count()
 
     def close(self) -> None:
+        if self.grammars is not None:
+            self.grammars.close()
         if self.tiers is not None:
             self.tiers.close()
         self.runner.close()
@@ -162,6 +169,8 @@ class LLMEngine:
             sampling_seed=self.runner.sampler.stream_seed(params.seed),
             ring=self.requests.ring_for(params),
         )
+        if params.structured_output is not None:  # (RequestValidator refused it without a tokenizer)
+            seq.grammar = GrammarState(self.grammars.compile(params.structured_output))
         if continuation is not None:
             check_continuation(continuation, seq.num_tokens, params, self.model_config.vocab_size,
                                self.requests.max_len_for(params))  # fmt: skip
@@ -221,10 +230,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch, then take in the KV loads that finished; an output for each request that got a token
         or ended (``kv_transfer_expired``). Raises StepError (the loads then wait for the next step)."""
+        outputs = []
+        if self.grammars is not None and self.grammars.num_failed != self._num_failed_grammars:
+            outputs = self._end_failed_grammars()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
-        outputs = self._run(batch) if batch.seqs else []
+        if batch.seqs:
+            outputs += self._run(batch)
         for seq, load in self.scheduler.finish_loads(self.connector.finished_loads()):
             self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if load.prompt_logprobs is not None:
@@ -256,6 +269,14 @@ class LLMEngine:
             if tokens:
                 outputs.append(self._append_tokens(seq, tokens, step.logprobs[i]))
         return outputs
+
+    def _end_failed_grammars(self) -> list[RequestOutput]:
+        """Abort the waiting requests whose grammar failed to compile (their schema parsed, so this is rare)."""
+        self._num_failed_grammars = self.grammars.num_failed
+        failed = [s for s in self.scheduler.waiting if s.grammar is not None and s.grammar.failed]
+        for seq in failed:
+            self._finish(seq, "abort")
+        return [self.output_processor.output(seq, []) for seq in failed]
 
     def _execute(self, batch: ScheduledBatch) -> tuple[ExecutedStep, list[Sequence]]:
         """Run ``batch`` between the KV connector's loads and saves: (each sequence's sampled tokens, the

@@ -2,7 +2,8 @@
 
 For each request that got tokens, ``OutputProcessor.append`` adds them one at a time to its sequence and
 its incremental detokenizer, and after each checks whether that token ends the request: a stop token
-(``stop_token_ids``, or an end-of-sequence token unless ``ignore_eos``), a stop string in the text (the
+(``stop_token_ids``, or an end-of-sequence token unless ``ignore_eos``), the end of its structured output
+(``engine.structured_output``: "stop"; a token its grammar refuses: "abort"), a stop string in the text (the
 text is cut where the string starts), ``max_tokens``, or the longest sequence the engine admits. Nothing
 after the token that ends a request is appended, so a stop inside a run of accepted speculative tokens
 ends the output there.
@@ -52,6 +53,8 @@ class OutputProcessor:
 
     def _check_stop(self, seq: Sequence, token: int, new_text: str) -> str | None:
         params = seq.params
+        if seq.grammar is not None and (reason := seq.grammar.advance(seq)) is not None:
+            return reason
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
         if params.stop and new_text:

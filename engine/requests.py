@@ -53,6 +53,8 @@ class RequestValidator:
         params.validate(self.model_config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this engine runs with skip_tokenizer_init")
+        if params.structured_output is not None and self.tokenizer is None:
+            raise ValueError("a structured output needs a tokenizer, and this engine runs with skip_tokenizer_init")
         return self.tokenize(prompt, self.max_len_for(params))
 
     def ring_for(self, params: SamplingParams) -> RingSpec | None:

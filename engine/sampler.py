@@ -2,7 +2,9 @@
 
 One step: greedy rows without logits processing take one argmax (the all-greedy batch does nothing else).
 Otherwise the per-row settings travel to the device as one packed int64 array, the rows that ask for it are
-processed (``engine.logits_processors``: bias, ``min_tokens``, penalties), and the sampling rows are scaled
+processed (``engine.logits_processors``: bias, ``min_tokens``, penalties), the rows with a structured output
+lose the tokens their grammar does not allow next (``engine.structured_output``: a bitmask per row, filled on
+the host and sent in the same copy), and the sampling rows are scaled
 by their temperature, filtered (min-p, top-k, then the top-p nucleus, with one batched sort shared by every
 row when any row asks for a filter) and drawn by the Gumbel-max trick (``kernels.gumbel_argmax``: one fused
 pass over the logits on a GPU, its noise made in registers). Rows that ask for log-probabilities get them
@@ -32,6 +34,7 @@ from engine.input_batch import StagingBuffer
 from engine.logits_processors import LogitsProcessors
 from engine.logprobs import LogprobTensors
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarState, apply_bitmask, fill_bitmask
 
 _MOD64 = 1 << 64
 
@@ -48,6 +51,7 @@ class SampledSequence(Protocol):
     token_ids: list[int]
     prompt_token_ids: list[int]
     sampling_seed: int
+    grammar: GrammarState | None
 
     @property
     def num_tokens(self) -> int: ...
@@ -93,8 +97,9 @@ class Sampler:
               seen_after: list[list[int]] | None) -> torch.Tensor:  # fmt: skip
         params = [s.params for s in seqs]
         processed = [i for i, p in enumerate(params) if p.processes_logits]
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
         sampling = [i for i, p in enumerate(params) if p.temperature != 0]
-        if not processed and not sampling:
+        if not processed and not sampling and not constrained:
             return logits.argmax(-1)
         at = [s.num_tokens for s in seqs] if positions is None else positions
         packed = Packed()
@@ -102,6 +107,9 @@ class Sampler:
             after = [[] if seen_after is None else seen_after[i] for i in processed]
             packed.add_ints(processed)
             apply = self.processors.plan(packed, [seqs[i] for i in processed], [at[i] for i in processed], after)
+        if constrained:
+            after = [[] if seen_after is None else seen_after[i] for i in constrained]
+            packed.add_ints(constrained, fill_bitmask([seqs[i] for i in constrained], after, self.vocab_size))
         filtered = False
         if sampling:
             rows, settings = [seqs[i] for i in sampling], [params[i] for i in sampling]
@@ -117,6 +125,9 @@ class Sampler:
         if processed:
             rows_idx = next(on_device)
             logits = logits.index_copy(0, rows_idx, apply(logits[rows_idx], on_device))
+        if constrained:
+            rows_idx, words = next(on_device), next(on_device)
+            logits = logits.index_copy(0, rows_idx, apply_bitmask(logits[rows_idx], words))
         if not sampling:
             return logits.argmax(-1)
         rows_idx, seeds, sampled_at, top_k_t, temperatures, top_p_t, min_p_t = on_device

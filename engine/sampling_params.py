@@ -6,6 +6,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from engine.structured_output import StructuredOutput
+
 # The smallest positive temperature. The sampler divides float32 logits by the temperature; far below this
 # the quotients overflow to inf and softmax turns them into NaN (1e-38 did), and long before that the result
 # is greedy anyway. vLLM clamps such values to 0.01 with a warning; we refuse them instead, so a request is
@@ -48,6 +50,9 @@ class SamplingParams:
 
     ``n`` (at most ``MAX_N``) samples that many choices of the prompt, which is computed once
     (``engine.parallel_sampling``); with a ``seed``, choice ``i`` draws from ``seed + i``, as vLLM's do.
+    ``structured_output`` constrains the output to a JSON schema, any JSON object, a regex, a choice of
+    strings or an EBNF grammar (``engine.structured_output``); the request ends with "stop" once the output
+    is complete. A bad schema, regex or grammar fails ``validate``.
     """
 
     temperature: float = 1.0
@@ -71,6 +76,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -108,6 +114,8 @@ class SamplingParams:
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids[:5]}")
         self._validate_processing()
+        if self.structured_output is not None:
+            self.structured_output.validate()
         for name in ("streaming_window", "streaming_sinks"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):

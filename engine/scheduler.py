@@ -25,7 +25,9 @@ A sequence whose blocks do not fit does not block the smaller ones behind it:
 it is passed over (at most ``LOOKAHEAD`` sequences are passed per step, which
 bounds the step's prefix matching), until ``MAX_PASSED_OVER`` admissions have
 gone past it; from then on it blocks the queue until it fits, so a large
-request waits a bounded number of admissions, never forever.
+request waits a bounded number of admissions, never forever. A sequence whose
+structured output's grammar is still compiling (``engine.structured_output``)
+is passed over the same way, without counting as passed over.
 """
 
 from __future__ import annotations
@@ -126,6 +128,9 @@ class Scheduler:
         passed: list[Sequence] = []
         while self.waiting and len(passed) < LOOKAHEAD and self._num_slots_used() < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.grammar is not None and not seq.grammar.ready:  # its grammar still compiles: try it later
+                passed.append(self.waiting.popleft())
+                continue
             cached = self._prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
             may_load = _may_load(seq) and (self.connector.brings_logits or not seq.wants_prompt_logprobs)
@@ -141,7 +146,8 @@ class Scheduler:
                 continue
             self.waiting.popleft()
             for other in passed:
-                self._passed_over[other.seq_id] = self._passed_over.get(other.seq_id, 0) + 1
+                if other.grammar is None or other.grammar.ready:  # (waiting for a grammar is no passing over)
+                    self._passed_over[other.seq_id] = self._passed_over.get(other.seq_id, 0) + 1
             self._passed_over.pop(seq.seq_id, None)
             seq.num_computed_tokens = num_cached if later else num_start
             if seq.num_preemptions == 0:

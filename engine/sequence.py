@@ -15,6 +15,7 @@ from kvstore.ring import RingSpec
 if TYPE_CHECKING:
     from engine.logprobs import TokenLogprob
     from engine.speculative import AcceptanceTracker
+    from engine.structured_output import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -64,6 +65,7 @@ class Sequence:
     # continuation); ``params.prompt_logprobs``: one per prompt token scored so far, None for the first
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
+    grammar: GrammarState | None = None  # its structured output's matcher (``engine.structured_output``)
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or self.seq_id

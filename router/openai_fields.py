@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 # field -> the values (besides null) that ask for nothing, the first being the one to suggest
 UNSERVED: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none", "auto"),  # with no tools, "auto" calls none
     "parallel_tool_calls": (True, False),  # means nothing while tools are refused; goes with them

@@ -5,12 +5,13 @@ Field names follow OpenAI and vLLM: ``max_tokens`` (chat also ``max_completion_t
 ``top_p``, ``top_k``, ``seed``, ``stop`` (a string or a list), ``stop_token_ids``, ``ignore_eos``,
 ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``min_tokens``, ``min_p``, ``logit_bias``,
 log-probabilities (completions: ``logprobs`` k and ``echo``; chat: ``logprobs`` and ``top_logprobs``; both:
-vLLM's ``prompt_logprobs``), kvserve's StreamingLLM options ``streaming_window`` and ``streaming_sinks``, and
-``speculative`` (false: no speculative decoding for this request), ``n`` (that many choices of each prompt, at
-most 16; completions' ``best_of`` only equal to it) and, for completions, a ``prompt`` that is a list of
-prompts (texts or token-id lists: choice ``i * n + j`` is prompt i's sample j). Fields declared nowhere here go to
-``router.openai_fields``: OpenAI's that kvserve does not implement are refused unless their value asks for
-nothing, the rest are ignored.
+vLLM's ``prompt_logprobs``), kvserve's StreamingLLM options ``streaming_window`` and ``streaming_sinks``,
+``speculative`` (false: no speculative decoding for this request), structured outputs (OpenAI's
+``response_format``: ``json_object``, ``json_schema``; vLLM's ``structured_outputs``: ``rpc.requests``), ``n``
+(that many choices of each prompt, at most 16; completions' ``best_of`` only equal to it) and, for completions,
+a ``prompt`` that is a list of prompts (texts or token-id lists: choice ``i * n + j`` is prompt i's sample j).
+Fields declared nowhere here go to ``router.openai_fields``: OpenAI's that kvserve does not implement are
+refused unless their value asks for nothing, the rest are ignored.
 Only types are checked here; every rule on values lives in ``rpc.validation``, which the router applies
 to the ``pb.GenerateRequest`` built here, so both doors refuse the same requests with the same message.
 Chat messages: ``developer`` is rendered as ``system``; a ``tool`` message needs its ``tool_call_id``; an
@@ -27,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from router.openai_fields import FieldError, check_extra_fields
-from rpc.requests import build_request
+from rpc.requests import build_request, structured_output
 
 # gRPC status -> (HTTP status, OpenAI error type)
 _HTTP_ERRORS = {
@@ -76,6 +77,8 @@ class _Common(_Body):
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM's: the prompt's log-probabilities, without echoing it
     n: int | None = None  # choices per prompt (rpc.validation: at most 16)
+    response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object or json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: one of json, regex, choice, grammar, json_object
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -88,7 +91,8 @@ class _Common(_Body):
                 "frequency_penalty": self.frequency_penalty, "min_tokens": self.min_tokens, "min_p": self.min_p,
                 "logit_bias": _token_bias(self.logit_bias), "logprobs": logprobs,
                 "prompt_logprobs": self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
-                "n": self.n}  # fmt: skip
+                "n": self.n, "response_format": self.response_format,
+                "structured_outputs": self.structured_outputs}  # fmt: skip
 
     @property
     def include_usage(self) -> bool:
@@ -228,6 +232,11 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def _build(prompt, request_id: str, sampling: dict[str, Any]) -> pb.GenerateRequest:
+    try:
+        structured_output(sampling["structured_outputs"], sampling["response_format"])
+    except ValueError as err:  # (the message names the field)
+        param = "structured_outputs" if str(err).startswith("structured_outputs") else "response_format"
+        raise FieldError(param, str(err)) from None
     try:
         return build_request(prompt, request_id=request_id, **sampling)
     except (TypeError, ValueError) as err:  # protobuf's range checks (int32, int64)

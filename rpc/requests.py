@@ -8,7 +8,9 @@ here; ``rpc.validation`` does that for every request the router receives.
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 
@@ -42,11 +44,14 @@ def build_request(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     n: int | None = None,
+    structured_outputs: dict[str, Any] | None = None,
+    response_format: dict[str, Any] | None = None,
     request_id: str = "",
 ) -> pb.GenerateRequest:
     """``prompt`` is text, token ids or chat messages (``{"role", "content"}`` dicts); ``None`` options stay
     unset, so the server applies its defaults (``engine.sampling_params.SamplingParams`` says what each does;
-    ``n``: that many choices, their messages told apart by ``GenerateResponse.index``)."""
+    ``n``: that many choices, their messages told apart by ``GenerateResponse.index``). ``structured_outputs``
+    (vLLM's) or ``response_format`` (OpenAI's) constrain the output: ``SamplingOptions.structured_output``."""
     values = locals()
     sampling = pb.SamplingOptions(
         stop=[stop] if isinstance(stop, str) else list(stop or []),
@@ -55,6 +60,9 @@ def build_request(
         logit_bias=logit_bias or {},
         **{name: values[name] for name in _OPTIONAL if values[name] is not None},
     )
+    structured = structured_output(structured_outputs, response_format)
+    if structured is not None:
+        sampling.structured_output.CopyFrom(structured)
     request = pb.GenerateRequest(request_id=request_id, sampling=sampling)
     if isinstance(prompt, str):
         request.text = prompt
@@ -64,6 +72,59 @@ def build_request(
         request.token_ids.ids.extend(prompt)
         request.token_ids.SetInParent()  # an empty list is still "token_ids", so the server can say it is empty
     return request
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def structured_output(structured_outputs: dict[str, Any] | None = None,
+                      response_format: dict[str, Any] | None = None) -> pb.StructuredOutput | None:  # fmt: skip
+    """The wire's ``StructuredOutput`` of vLLM's ``structured_outputs`` (exactly one of ``json``: a schema, as
+    an object or JSON text; ``regex``; ``choice``: a list of strings; ``grammar``: EBNF; ``json_object``: true)
+    or of OpenAI's ``response_format`` (``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"}}``; ``{"type": "text"}`` asks for nothing). None when neither asks for
+    anything; ``ValueError``, naming the field, for one that says no one thing. The grammar itself is checked
+    by ``rpc.validation``."""
+    from_format = _from_response_format(response_format) if response_format is not None else None
+    if structured_outputs is None:
+        return from_format
+    if from_format is not None:
+        raise ValueError("structured_outputs and response_format both constrain the output: send one of them")
+    if not isinstance(structured_outputs, dict):
+        raise ValueError("structured_outputs must be an object")
+    unknown = sorted(set(structured_outputs) - set(_STRUCTURED_KINDS))
+    if unknown:
+        raise ValueError(f"structured_outputs.{unknown[0]} is not served; set one of {list(_STRUCTURED_KINDS)}")
+    kinds = [k for k in _STRUCTURED_KINDS if structured_outputs.get(k) not in (None, False)]
+    if len(kinds) != 1:
+        raise ValueError(f"structured_outputs must set exactly one of {list(_STRUCTURED_KINDS)}, got "
+                         f"{kinds or 'none'}")  # fmt: skip
+    kind, value = kinds[0], structured_outputs[kinds[0]]
+    if kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    if kind == "json":
+        return pb.StructuredOutput(json_schema=value if isinstance(value, str) else json.dumps(value))
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise ValueError("structured_outputs.choice must be a list of strings")
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=value))
+    if not isinstance(value, str):
+        raise ValueError(f"structured_outputs.{kind} must be a string")
+    return pb.StructuredOutput(**{kind: value})
+
+
+def _from_response_format(response_format: dict[str, Any]) -> pb.StructuredOutput | None:
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    if kind != "json_schema":
+        raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict | bool):
+        raise ValueError("response_format.json_schema.schema is required: the JSON schema the output must match")
+    return pb.StructuredOutput(json_schema=json.dumps(spec["schema"]))
 
 
 def resolve_api_key(given: str | None = None) -> str | None:

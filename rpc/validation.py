@@ -14,7 +14,9 @@ send back as INVALID_ARGUMENT (HTTP 400). The rules:
   ``engine.sampling_params.MIN_TEMPERATURE``, top_p in (0, 1], repetition_penalty > 0, ...), plus at
   most ``MAX_STOP_STRINGS`` stop strings of at most ``MAX_STOP_CHARS`` characters and at most
   ``MAX_STOP_TOKEN_IDS`` stop token ids, all inside the vocabulary, and at most ``MAX_LOGIT_BIAS`` logit_bias
-  entries, on token ids of the vocabulary;
+  entries, on token ids of the vocabulary; a structured output (``engine.structured_output``) of at most
+  ``MAX_STRUCTURED_BYTES`` whose schema, regex, choice list or grammar parses (xgrammar parses it here,
+  without the tokenizer: the worker compiles it against the vocabulary);
 * length: like vLLM and OpenAI, an explicit ``max_tokens`` that does not fit beside the prompt in the
   context is refused rather than silently cut; an unset one is, as vLLM's two endpoints have it, the rest of
   the context for chat messages and 16 for text or token ids (lowered to the room left). A
@@ -43,6 +45,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256  # the engine checks every new token against this list
 MAX_LOGIT_BIAS = 1024  # entries: each is one more index in the sampler's step
+MAX_STRUCTURED_BYTES = 1 << 16  # a structured output's schema, regex, choices or grammar, as sent
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -108,6 +111,9 @@ def validate_sampling(
         raise ValueError(f"{len(opts.stop_token_ids)} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
     if len(opts.logit_bias) > MAX_LOGIT_BIAS:
         raise ValueError(f"logit_bias has {len(opts.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    if opts.HasField("structured_output") and opts.structured_output.ByteSize() > MAX_STRUCTURED_BYTES:
+        raise ValueError(f"structured_output is {opts.structured_output.ByteSize()} bytes; at most "
+                         f"{MAX_STRUCTURED_BYTES} are allowed")  # fmt: skip
     params = sampling_from_proto(opts)
     params.validate(vocab_size)
     if max_context is not None and not is_streaming(opts):

@@ -205,6 +205,7 @@ def test_a_verify_rows_penalty_counts_the_proposals_before_it():
         token_ids: list[int]
         sampling_seed: int = 7
         prompt_token_ids: tuple[int, ...] = (3, 5)  # the proposals are output: the OpenAI penalties count them
+        grammar: None = None
 
         @property
         def num_tokens(self) -> int:

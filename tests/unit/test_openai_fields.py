@@ -44,7 +44,7 @@ def test_values_that_ask_for_nothing_are_accepted(fields):
 
 
 @pytest.mark.parametrize("name, value", [
-    ("suffix", "!"), ("response_format", {"type": "json_object"}),
+    ("suffix", "!"),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("audio", {"voice": "alloy"}),
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),

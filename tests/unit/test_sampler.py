@@ -26,6 +26,7 @@ class Seq:
     sampling_seed: int
     num_tokens: int = 0
     prompt_token_ids: list[int] | None = None  # default: the tokens it starts with
+    grammar: None = None  # no structured output (tests/engine/test_structured_output.py)
 
     def __post_init__(self) -> None:
         self.num_tokens = self.num_tokens or len(self.token_ids)

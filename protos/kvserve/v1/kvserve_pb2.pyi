@@ -27,7 +27,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty", "streaming_window", "streaming_sinks", "speculative", "presence_penalty", "frequency_penalty", "min_tokens", "min_p", "logit_bias", "logprobs", "prompt_logprobs", "n")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty", "streaming_window", "streaming_sinks", "speculative", "presence_penalty", "frequency_penalty", "min_tokens", "min_p", "logit_bias", "logprobs", "prompt_logprobs", "structured_output", "n")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class SamplingOptions(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
@@ -74,8 +75,29 @@ class SamplingOptions(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     logprobs: int
     prompt_logprobs: int
+    structured_output: StructuredOutput
     n: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., streaming_window: _Optional[int] = ..., streaming_sinks: _Optional[int] = ..., speculative: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., streaming_window: _Optional[int] = ..., streaming_sinks: _Optional[int] = ..., speculative: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: ChoiceList
+    grammar: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+
+class ChoiceList(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
