@@ -117,15 +117,8 @@ class LLMEngine:
         """The longest sequence a request may grow to (``RequestValidator.max_len_for``)."""
         return self.requests.max_len_for(params)
 
-    def add_request(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        *,
-        continuation: Continuation | None = None,
-        kv_params: object = None,
-    ) -> str:
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, *,
+                    continuation: Continuation | None = None, kv_params: object = None) -> str:  # fmt: skip
         """Queue a request; returns its id. ``params.n`` choices of it are sampled (``engine.parallel_sampling``);
         ``continuation`` goes on from output another worker already streamed (``engine.continuation``; one
         choice only); ``kv_params`` is the KV connector's data about it (``Sequence.kv_params``, every choice's)."""
@@ -143,14 +136,8 @@ class LLMEngine:
         self.held.hold(first, seqs[1:])
         return first.request_id
 
-    def _new_sequence(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None,
-        request_id: str | None,
-        continuation: Continuation | None = None,
-        index: int = 0,
-    ) -> Sequence:
+    def _new_sequence(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+                      continuation: Continuation | None = None, index: int = 0) -> Sequence:  # fmt: skip
         """Choice ``index`` of a request (``engine.parallel_sampling``)."""
         params = params or SamplingParams()
         ids = self.requests.validate(prompt, params)
