@@ -12,7 +12,12 @@ TPOT and its ratio to the plain side's. Sides:
 * ``plain``: greedy, nothing else;
 * ``logprobs=5``: the token's log-probability and 5 alternatives (``engine.logprobs``); target <= 1.10x;
 * ``penalties``: repetition, presence and frequency penalties (``engine.logits_processors``);
-* ``bias+min_p``: a 16-token ``logit_bias``, ``min_tokens`` and ``min_p`` at temperature 0.8.
+* ``bias+min_p``: a 16-token ``logit_bias``, ``min_tokens`` and ``min_p`` at temperature 0.8;
+* ``json schema``: a structured output (``engine.structured_output``), an array of at least 200 integers, so
+  that no request finishes before ``--max-tokens``; target <= 1.15x at batch 16.
+
+Then the time to first token of one ``--prompt-len`` request with a JSON schema never seen before (its grammar
+compiles while the request waits), with the same schema again (cached), and without one.
 """
 
 from __future__ import annotations
@@ -29,7 +34,45 @@ SIDES = {
     "penalties": {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5},
     "bias+min_p": {"temperature": 0.8, "seed": 7, "min_p": 0.05, "min_tokens": 8,
                    "logit_bias": {t: 1.0 for t in range(100, 116)}},
+    "json schema": {"structured_output": ("json", {"type": "array", "minItems": 200,
+                                                   "items": {"type": "integer", "minimum": 0, "maximum": 999}})},
 }  # fmt: skip
+
+
+def _settings(side: dict):
+    """``SIDES`` values as ``SamplingParams`` keywords (a structured output as the engine's type)."""
+    from engine.structured_output import StructuredOutput
+
+    if "structured_output" not in side:
+        return side
+    kind, schema = side["structured_output"]
+    return {**side, "structured_output": StructuredOutput.json(schema) if kind == "json" else None}
+
+
+def first_token_s(engine, prompt: list[int], params) -> float:
+    """Seconds from adding one request to its first token (the request is then aborted)."""
+    start = time.perf_counter()
+    rid = engine.add_request(prompt, params)
+    while not any(out.new_token_ids for out in engine.step() if out.request_id == rid):
+        pass
+    elapsed = time.perf_counter() - start
+    engine.abort(rid)
+    return elapsed
+
+
+def _schema_ttft(engine, prompt: list[int], rounds: int) -> list[list[object]]:
+    from engine import SamplingParams
+    from engine.structured_output import StructuredOutput
+
+    rows: dict[str, list[float]] = {"no schema": [], "schema first seen": [], "schema cached": []}
+    for r in range(rounds):
+        schema = {"type": "object", "properties": {f"field_{r}_{time.time_ns()}": {"type": "integer"}}}
+        spec = StructuredOutput.json(schema)
+        rows["no schema"].append(first_token_s(engine, prompt, SamplingParams(temperature=0, max_tokens=4)))
+        for name in ("schema first seen", "schema cached"):
+            params = SamplingParams(temperature=0, max_tokens=4, structured_output=spec)
+            rows[name].append(first_token_s(engine, prompt, params))
+    return [[name, report.median(t) * 1e3] for name, t in rows.items()]
 
 
 def decode_tpot(engine, prompts: list[list[int]], params) -> float:
@@ -59,13 +102,17 @@ def main(argv: list[str] | None = None) -> int:
 
     llm = LLM(args.model)
     vocab = llm.engine.model_config.vocab_size
+    grammars = llm.engine.tokenizer is not None  # (a structured output needs the model's tokenizer)
+    if not grammars:
+        print("no tokenizer: the structured-output side and the schema TTFT are skipped")
     sides = {name: s for name, s in SIDES.items() if name == "plain" or name.startswith(args.only)}
+    sides = {name: s for name, s in sides.items() if grammars or "structured_output" not in s}
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         rng = random.Random(batch)
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
-        params = {name: SamplingParams(**{"temperature": 0, "max_tokens": args.max_tokens, "ignore_eos": True, **s})
-                  for name, s in sides.items()}  # fmt: skip
+        params = {name: SamplingParams(**{"temperature": 0, "max_tokens": args.max_tokens, "ignore_eos": True,
+                                          **_settings(s)}) for name, s in sides.items()}  # fmt: skip
         decode_tpot(llm.engine, prompts[:1], params["plain"])  # warm-up
         times: dict[str, list[float]] = {name: [] for name in sides}
         for _ in range(args.rounds):
@@ -76,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
                  for name, t in times.items()]  # fmt: skip
     print(report.table(["side", "batch", "TPOT ms", "x plain"],
                        [[r["side"], r["batch"], r["tpot_ms"], r["ratio"]] for r in rows]))  # fmt: skip
+    ttft = []
+    if grammars:
+        prompt = [random.Random(0).randrange(vocab) for _ in range(args.prompt_len)]
+        ttft = _schema_ttft(llm.engine, prompt, args.rounds)
+        print(report.table(["first token", "ms"], ttft))
     if args.save_result:
-        report.save_json(args.save_result, {"rows": rows, "args": vars(args)})
+        report.save_json(args.save_result, {"rows": rows, "ttft_ms": dict(ttft), "args": vars(args)})
     return 0
