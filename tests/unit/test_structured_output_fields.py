@@ -73,7 +73,7 @@ def test_the_http_bodies_name_the_field_at_fault(body, param):
     for request in (CompletionRequest(prompt="hi", **body),
                     ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **body)):  # fmt: skip
         with pytest.raises(FieldError) as err:
-            request.to_proto("r")
+            request.to_protos("r") if isinstance(request, CompletionRequest) else request.to_proto("r")
         assert err.value.param == param
 
 
@@ -82,7 +82,8 @@ def test_the_http_bodies_carry_them():
         "type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}})  # fmt: skip
     assert sampling_from_proto(chat.to_proto("r").sampling).structured_output == StructuredOutput.json(SCHEMA)
     completion = CompletionRequest(prompt="hi", structured_outputs={"choice": ["a", "b"]})
-    assert sampling_from_proto(completion.to_proto("r").sampling).structured_output.kind == "choice"
+    [proto] = completion.to_protos("r")
+    assert sampling_from_proto(proto.sampling).structured_output.kind == "choice"
 
 
 @pytest.mark.parametrize("structured, message", [
