@@ -29,7 +29,8 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in the prompts' order."""
+        """Generate for every prompt (text or token ids); outputs come back in the prompts' order, a prompt sampled
+        with ``n > 1`` giving its ``n`` choices one after another (``RequestOutput.index``)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -43,12 +44,13 @@ class LLM:
         for prompt, p in zip(prompts, params, strict=True):
             self.engine.validate(prompt, p)
         ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
-        finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(ids):
+        wanted = [(rid, i) for rid, p in zip(ids, params, strict=True) for i in range(p.n)]
+        finished: dict[tuple[str, int], RequestOutput] = {}
+        while len(finished) < len(wanted):
             for out in self.engine.step():
                 if out.finished:
-                    finished[out.request_id] = out
-        return [finished[i] for i in ids]
+                    finished[out.request_id, out.index] = out
+        return [finished[key] for key in wanted]
 
     def chat(
         self,

@@ -17,7 +17,9 @@ TPOT and its ratio to the plain side's. Sides:
   that no request finishes before ``--max-tokens``; target <= 1.15x at batch 16.
 
 Then the time to first token of one ``--prompt-len`` request with a JSON schema never seen before (its grammar
-compiles while the request waits), with the same schema again (cached), and without one.
+compiles while the request waits), with the same schema again (cached), and without one; and parallel
+sampling: one request of ``n=8`` (temperature 1, seeded) against the same eight choices as eight requests one
+after another, output tokens/s and the prompt tokens each computed (target >= 3x, the prompt once).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ SIDES = {
     "plain": {},
     "logprobs=5": {"logprobs": 5},
     "penalties": {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5},
-    "bias+min_p": {"temperature": 0.8, "seed": 7, "min_p": 0.05, "min_tokens": 8,
+    "bias+min_p": {"temperature": 0.8, "seed": 7, "min_p": 0.05, "min_tokens": 4,
                    "logit_bias": {t: 1.0 for t in range(100, 116)}},
     "json schema": {"structured_output": ("json", {"type": "array", "minItems": 200,
                                                    "items": {"type": "integer", "minimum": 0, "maximum": 999}})},
@@ -58,6 +60,42 @@ def first_token_s(engine, prompt: list[int], params) -> float:
     elapsed = time.perf_counter() - start
     engine.abort(rid)
     return elapsed
+
+
+def _generate_s(llm, prompt: list[int], params_list) -> tuple[float, int]:
+    """(seconds, prompt tokens computed) of the requests ``params_list``, one after another: every token the
+    scheduled steps computed, less one per output token after each choice's first (its decode steps)."""
+    scheduler, computed = llm.engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def counting():
+        batch = schedule()
+        computed.append(batch.num_tokens)
+        return batch
+
+    scheduler.schedule = counting
+    try:
+        start, decoded = time.perf_counter(), 0
+        for params in params_list:
+            decoded += sum(len(out.token_ids) - 1 for out in llm.generate([prompt], params))
+        return time.perf_counter() - start, sum(computed) - decoded
+    finally:
+        del scheduler.schedule  # the class's method again
+
+
+def _parallel_sampling(llm, prompt: list[int], max_tokens: int, rounds: int) -> list[list[object]]:
+    from engine import SamplingParams
+
+    base = {"temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True}
+    together, apart = [], []
+    for r in range(rounds):
+        seed = 1000 * r
+        together.append(_generate_s(llm, prompt, [SamplingParams(**base, n=8, seed=seed)]))
+        apart.append(_generate_s(llm, prompt, [SamplingParams(**base, seed=seed + i) for i in range(8)]))
+    tokens = 8 * max_tokens
+    rate = [tokens / report.median(t for t, _ in together), tokens / report.median(t for t, _ in apart)]
+    return [["n=8, one request", rate[0], together[0][1], rate[0] / rate[1]],
+            ["8 requests, one at a time", rate[1], apart[0][1], 1.0]]
 
 
 def _schema_ttft(engine, prompt: list[int], rounds: int) -> list[list[object]]:
@@ -128,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         prompt = [random.Random(0).randrange(vocab) for _ in range(args.prompt_len)]
         ttft = _schema_ttft(llm.engine, prompt, args.rounds)
         print(report.table(["first token", "ms"], ttft))
+    prompt = [random.Random(1).randrange(vocab) for _ in range(args.prompt_len)]
+    parallel = _parallel_sampling(llm, prompt, args.max_tokens, args.rounds)
+    print(report.table(["parallel sampling", "tokens/s", "prompt tokens computed", "x apart"], parallel))
     if args.save_result:
-        report.save_json(args.save_result, {"rows": rows, "ttft_ms": dict(ttft), "args": vars(args)})
+        report.save_json(args.save_result, {"rows": rows, "ttft_ms": dict(ttft), "parallel": parallel,
+                                            "args": vars(args)})  # fmt: skip
     return 0
