@@ -98,6 +98,22 @@ def test_logprobs_through_1p1d_are_transformers_the_prefill_worker_computing_the
         assert [lp for _, lp in entry.top] == pytest.approx(row.topk(2).values.tolist(), abs=1e-4)
 
 
+def test_n_choices_hand_the_prompt_over_once_and_each_is_its_own_seeded_stream(one_by_one, llm):
+    """A request of n=4 through 1P1D: the prefill worker computes its prompt once (its prompt-token counter grows
+    by the prompt's length, not four times that), and choice i is the offline engine's request with seed + i."""
+    prompt = "Write one sentence about the sea, the wind and a small boat that sails at dawn:"
+    options = {"temperature": 1.0, "seed": 40, "max_tokens": 12, "ignore_eos": True}
+    url = one_by_one.child("prefill-0").metrics_url
+    before = sum(prometheus_values(url, "kvserve_prefill_prompt_tokens_total").values())
+    with Client(one_by_one.endpoint, timeout_s=120) as client:
+        results = client.generate(prompt, n=4, **options)
+    after = sum(prometheus_values(url, "kvserve_prefill_prompt_tokens_total").values())
+    num_prompt = results[0].usage["prompt_tokens"]
+    assert after - before == num_prompt and results[0].prefill_worker == "prefill-0"
+    offline = [llm.generate([prompt], SamplingParams(**{**options, "seed": 40 + i}))[0].token_ids for i in range(4)]
+    assert [r.token_ids for r in results] == offline and len({tuple(t) for t in offline}) == 4
+
+
 def test_32_concurrent_requests_all_correct(one_by_one, engine_prompts, hf_greedy):
     with Client(one_by_one.endpoint, timeout_s=300) as client:
         with ThreadPoolExecutor(32) as pool:
