@@ -6,17 +6,11 @@ and an unknown model is 404 ``model_not_found``."""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import openai
 import pytest
-from router_utils import RouterStack
+from router_utils import http_stack, openai_client, post_json
 
 from engine.tokenizer import Tokenizer
-from router.http_server import HttpServer
-from router.openai_api import create_app
 from rpc.validation import encode_chat
 
 MODEL, ALIAS, ROOT = "SmolLM2-135M-Instruct", "smol", "/models/SmolLM2-135M-Instruct"
@@ -28,28 +22,14 @@ PROMPT = "The three most useful things to know about Paris are"
 
 @pytest.fixture(scope="module")
 def stack(model_dir):
-    s = RouterStack(model_dir, num_blocks=16, max_model_len=MAX_MODEL_LEN)
-    http = HttpServer(create_app(s.router, [MODEL, ALIAS], root=ROOT), "127.0.0.1", 0)
-    s.aio.run(http.start())
-    s.http_url = f"http://127.0.0.1:{http.port}"
-    yield s
-    s.aio.run(http.stop())
-    s.stop()
+    with http_stack(model_dir, [MODEL, ALIAS], root=ROOT, num_blocks=16, max_model_len=MAX_MODEL_LEN) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(stack)
 
-
-def _post(stack, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(stack.http_url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context(client):
@@ -67,7 +47,7 @@ def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context(client):
 ])  # fmt: skip
 def test_an_unimplemented_field_is_400_naming_it(stack, path, field, value):
     prompt = {"messages": CHAT} if "chat" in path else {"prompt": PROMPT}
-    status, reply = _post(stack, path, {"model": MODEL, **prompt, "max_tokens": 2, field: value})
+    status, reply = post_json(stack, path, {"model": MODEL, **prompt, "max_tokens": 2, field: value})
     assert status == 400
     assert reply["error"]["param"] == field and reply["error"]["type"] == "invalid_request_error"
     assert reply["error"]["message"].startswith(f"{field}=")
@@ -107,16 +87,16 @@ def test_developer_and_tool_messages_are_served(client):
 
 def test_tokenize_and_detokenize_agree_with_the_tokenizer(stack, client, model_dir):
     tokenizer = Tokenizer(model_dir)
-    status, reply = _post(stack, "/tokenize", {"model": MODEL, "prompt": PROMPT, "add_special_tokens": True})
+    status, reply = post_json(stack, "/tokenize", {"model": MODEL, "prompt": PROMPT, "add_special_tokens": True})
     assert status == 200
     assert reply["tokens"] == tokenizer.encode(PROMPT) and reply["count"] == len(reply["tokens"])
     assert reply["max_model_len"] == MAX_MODEL_LEN
-    assert _post(stack, "/detokenize", {"model": MODEL, "tokens": reply["tokens"]}) == (200, {"prompt": PROMPT})
-    status, chat = _post(stack, "/tokenize", {"model": MODEL, "messages": CHAT, "add_generation_prompt": True})
+    assert post_json(stack, "/detokenize", {"model": MODEL, "tokens": reply["tokens"]}) == (200, {"prompt": PROMPT})
+    status, chat = post_json(stack, "/tokenize", {"model": MODEL, "messages": CHAT, "add_generation_prompt": True})
     assert chat["tokens"] == encode_chat(tokenizer, CHAT)
     usage = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1).usage
     assert chat["count"] == usage.prompt_tokens  # what a chat request's prompt is
-    assert _post(stack, "/detokenize", {"model": MODEL, "tokens": [1 << 30]})[1]["error"]["param"] == "tokens"
+    assert post_json(stack, "/detokenize", {"model": MODEL, "tokens": [1 << 30]})[1]["error"]["param"] == "tokens"
 
 
 def test_models_report_root_and_context_and_an_unknown_model_is_404(stack, client):
@@ -124,9 +104,9 @@ def test_models_report_root_and_context_and_an_unknown_model_is_404(stack, clien
     assert [c.id for c in cards] == [MODEL, ALIAS]
     assert all(c.root == ROOT and c.max_model_len == MAX_MODEL_LEN for c in cards)
     assert client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=1).model == ALIAS
-    status, reply = _post(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+    status, reply = post_json(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
     assert status == 200 and reply["model"] == MODEL  # no model: the default
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=1)
     assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
-    assert _post(stack, "/tokenize", {"model": "gpt-4o", "prompt": "x"})[0] == 404
+    assert post_json(stack, "/tokenize", {"model": "gpt-4o", "prompt": "x"})[0] == 404

@@ -5,18 +5,11 @@ refused with 400 naming the field."""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
-import openai
 import pytest
 import torch
-from router_utils import RouterStack
+from router_utils import http_stack, openai_client, post_json
 
 from kvserve.client import Client
-from router.http_server import HttpServer
-from router.openai_api import create_app
 
 MODEL = "SmolLM2-135M-Instruct"
 TOLERANCE = 1e-4  # fp32 on both sides, different schedules (tests/engine/test_logprobs.py)
@@ -25,28 +18,14 @@ PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 @pytest.fixture(scope="module")
 def stack(model_dir):
-    s = RouterStack(model_dir, num_blocks=64)
-    http = HttpServer(create_app(s.router, [MODEL]), "127.0.0.1", 0)
-    s.aio.run(http.start())
-    s.http_url = f"http://127.0.0.1:{http.port}"
-    yield s
-    s.aio.run(http.stop())
-    s.stop()
+    with http_stack(model_dir, [MODEL], num_blocks=64) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(stack)
 
-
-def _post(stack, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(stack.http_url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def _hf(hf_model, ids: list[int]) -> torch.Tensor:
@@ -87,9 +66,10 @@ def test_streamed_logprobs_add_up_to_the_whole_answer(client):
             tokens += choice.logprobs.tokens
             values += choice.logprobs.token_logprobs
             offsets += choice.logprobs.text_offset
-    assert text == whole.choices[0].text
-    assert (tokens, values, offsets) == (whole.choices[0].logprobs.tokens, whole.choices[0].logprobs.token_logprobs,
-                                         whole.choices[0].logprobs.text_offset)  # fmt: skip
+    whole_lp = whole.choices[0].logprobs
+    assert text == whole.choices[0].text and (tokens, offsets) == (whole_lp.tokens, whole_lp.text_offset)
+    assert values[0] is None is whole_lp.token_logprobs[0]  # (two requests: their values within the tolerance)
+    assert values[1:] == pytest.approx(whole_lp.token_logprobs[1:], abs=TOLERANCE)
 
 
 def test_chat_logprobs_equal_transformers(client, hf_model, tokenizer):
@@ -146,7 +126,7 @@ def test_logit_bias_and_min_tokens_reach_the_sampler(client, tokenizer):
 ])  # fmt: skip
 def test_bad_values_are_refused_naming_the_field(stack, body, param):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    status, reply = _post(stack, path, {"model": MODEL, "max_tokens": 2, **body})
+    status, reply = post_json(stack, path, {"model": MODEL, "max_tokens": 2, **body})
     assert status == 400, reply
     assert param in reply["error"]["message"], reply
 

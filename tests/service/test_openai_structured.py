@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.error
-import urllib.request
 
 import grpc
-import openai
 import pytest
 from pydantic import BaseModel, Field
-from router_utils import RouterStack
+from router_utils import http_stack, openai_client, post_json
 
 from kvserve.client import Client
-from router.http_server import HttpServer
-from router.openai_api import create_app
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Name a city and how many people live there, as JSON."}]
@@ -30,28 +25,14 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def stack(model_dir):
-    s = RouterStack(model_dir, num_blocks=64)
-    http = HttpServer(create_app(s.router, [MODEL]), "127.0.0.1", 0)
-    s.aio.run(http.start())
-    s.http_url = f"http://127.0.0.1:{http.port}"
-    yield s
-    s.aio.run(http.stop())
-    s.stop()
+    with http_stack(model_dir, [MODEL], num_blocks=64) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(stack)
 
-
-def _post(stack, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(stack.http_url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def test_parse_with_a_pydantic_model_returns_the_parsed_object(client):
@@ -95,7 +76,8 @@ def test_structured_outputs_over_grpc(stack):
     ({"response_format": {"type": "xml"}}, "response_format", "response_format.type must be"),
 ])  # fmt: skip
 def test_a_bad_structured_output_is_400_naming_it(stack, body, param, message):
-    status, reply = _post(stack, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4, **body})
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, **body}
+    status, reply = post_json(stack, "/v1/chat/completions", body)
     assert status == 400 and reply["error"]["type"] == "invalid_request_error"
     assert re.search(message, reply["error"]["message"]), reply
     if param is not None:

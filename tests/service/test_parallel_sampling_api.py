@@ -4,17 +4,10 @@ carrying their choice's index, usage counting each prompt once, and bad values r
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
-import openai
 import pytest
-from router_utils import RouterStack
+from router_utils import http_stack, openai_client, post_json
 
 from kvserve.client import Client, Result
-from router.http_server import HttpServer
-from router.openai_api import create_app
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "One, two, three,"]
@@ -22,28 +15,14 @@ PROMPTS = ["The capital of France is", "One, two, three,"]
 
 @pytest.fixture(scope="module")
 def stack(model_dir):
-    s = RouterStack(model_dir, num_blocks=64)
-    http = HttpServer(create_app(s.router, [MODEL]), "127.0.0.1", 0)
-    s.aio.run(http.start())
-    s.http_url = f"http://127.0.0.1:{http.port}"
-    yield s
-    s.aio.run(http.stop())
-    s.stop()
+    with http_stack(model_dir, [MODEL], num_blocks=64) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(stack)
 
-
-def _post(stack, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(stack.http_url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def test_grpc_client_gets_one_result_per_choice(stack):
@@ -121,6 +100,6 @@ def test_echo_with_logprobs_gives_every_choice_its_prompt(client):
     ({"prompt": "hi", "n": 2, "best_of": 3}, "best_of", "best_of=3"),
 ])  # fmt: skip
 def test_bad_n_empty_list_and_best_of_are_400(stack, body, param, words):
-    status, reply = _post(stack, "/v1/completions", {"model": MODEL, "max_tokens": 2, **body})
+    status, reply = post_json(stack, "/v1/completions", {"model": MODEL, "max_tokens": 2, **body})
     assert status == 400 and words in reply["error"]["message"]
     assert reply["error"]["param"] == param

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from service_utils import TEST_SECURITY, InProcessServer
 
 from cluster_state.registry import Registry
@@ -45,3 +51,38 @@ class RouterStack:
         self.worker.stop()
         self.engine.close()
         self.aio.stop()
+
+
+@contextmanager
+def http_stack(model_dir, names: list[str], root: str | None = None, **stack_options) -> Iterator[RouterStack]:
+    """A ``RouterStack`` whose router also serves the OpenAI-compatible HTTP API under ``names`` (``root``: what
+    ``/v1/models`` reports), at ``stack.http_url``."""
+    from router.http_server import HttpServer  # fastapi and uvicorn: only for the HTTP API
+    from router.openai_api import create_app
+
+    stack = RouterStack(model_dir, **stack_options)
+    http = HttpServer(create_app(stack.router, names, **({"root": root} if root else {})), "127.0.0.1", 0)
+    stack.aio.run(http.start())
+    stack.http_url = f"http://127.0.0.1:{http.port}"
+    try:
+        yield stack
+    finally:
+        stack.aio.run(http.stop())
+        stack.stop()
+
+
+def openai_client(stack: RouterStack):
+    import openai
+
+    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def post_json(stack: RouterStack, path: str, body: dict) -> tuple[int, dict]:
+    """(HTTP status, JSON reply) of POSTing ``body`` to the stack's HTTP API, error statuses included."""
+    request = urllib.request.Request(stack.http_url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
