@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import jsonschema
 import pytest
 from cluster_utils import cluster, discard, prometheus_values
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -16,11 +18,15 @@ from waiting import wait_until
 from cluster_state.registry import Registry
 from decode_service.prefill_client import REFRESH_S
 from engine import SamplingParams
+from engine.structured_output import StructuredOutput
 from kvserve.client import Client, build_request
 from security.auth import Security
 from security.identity import Identity
 
 GREEDY = {"temperature": 0, "max_tokens": 32, "ignore_eos": True}
+COLOR_COUNT = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                                "count": {"type": "integer", "minimum": 1, "maximum": 20}},
+               "required": ["color", "count"], "additionalProperties": False}  # fmt: skip
 # the module's decode worker speculates, so every answer here also checks that speculation changes no token
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 
@@ -112,6 +118,40 @@ def test_n_choices_hand_the_prompt_over_once_and_each_is_its_own_seeded_stream(o
     assert after - before == num_prompt and results[0].prefill_worker == "prefill-0"
     offline = [llm.generate([prompt], SamplingParams(**{**options, "seed": 40 + i}))[0].token_ids for i in range(4)]
     assert [r.token_ids for r in results] == offline and len({tuple(t) for t in offline}) == 4
+
+
+def test_structured_outputs_through_1p1d_the_prefill_worker_drawing_the_first_token_under_the_grammar(
+        one_by_one, llm, tokenizer):  # fmt: skip
+    """The prefill worker draws each request's first token under its grammar; the decode worker replays it into
+    its own matcher and goes on under it. Every answer matches its JSON schema or choice list and ends "stop",
+    and is the offline engine's, token for token (seeded and greedy). Unconstrained, each request's first token
+    (the same seed's draw) is one its grammar forbids, so a prefill worker blind to the grammar breaks them all."""
+    prompts = ["Describe the weather at the seaside today in a few words:",
+               "Write one sentence about a small boat at dawn:", "Name a colour and a number, please:"]  # fmt: skip
+    choices = ["sunny", "rainy", "foggy"]
+    sampled = {"temperature": 1.0, "max_tokens": 24}
+    requests = [(p, {**sampled, "seed": 60 + i}, "json", COLOR_COUNT) for i, p in enumerate(prompts)]
+    requests += [(p, {"temperature": 0, "max_tokens": 24}, "json", COLOR_COUNT) for p in prompts]
+    requests.append((prompts[0], {**sampled, "seed": 7, "max_tokens": 8}, "choice", choices))
+    texts, spec = [p for p, *_ in requests], {"json": StructuredOutput.json, "choice": StructuredOutput.choice}
+
+    blind = llm.generate(texts, [SamplingParams(**{**o, "max_tokens": 1}) for _, o, *_ in requests])
+    for (_, _, kind, value), out in zip(requests, blind, strict=True):
+        first = tokenizer.decode(out.token_ids)  # a JSON object starts "{" (no whitespace), a choice with a choice
+        assert not first.startswith("{") if kind == "json" else not any(c.startswith(first) for c in value), first
+    offline = llm.generate(texts, [SamplingParams(**o, structured_output=spec[k](v)) for _, o, k, v in requests])
+
+    with Client(one_by_one.endpoint, timeout_s=120) as client, ThreadPoolExecutor(len(requests)) as pool:
+        served = list(pool.map(lambda r: client.generate(r[0], **r[1], structured_outputs={r[2]: r[3]}), requests))
+    for (_, _, kind, value), result, expected in zip(requests, served, offline, strict=True):
+        assert result.transfer_backend == "shm" and result.prefill_worker == "prefill-0"
+        assert result.finish_reason == "stop", result.text
+        if kind == "json":
+            jsonschema.validate(json.loads(result.text), value)
+        else:
+            assert result.text in value
+        assert result.token_ids == expected.token_ids
+    assert len({r.text for r in served[:3]}) > 1  # sampled, not one answer three times
 
 
 def test_32_concurrent_requests_all_correct(one_by_one, engine_prompts, hf_greedy):
