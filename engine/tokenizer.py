@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedConfig
 
@@ -45,11 +46,14 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render chat messages (``{"role", "content"}``) into the prompt text the model was tuned on."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
+        """Render chat messages (``{"role", "content"}``, and the template's ``tools``: ``rpc.chat``) into the
+        prompt text the model was tuned on."""
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)  # fmt: skip
 
 
 def _json(path: Path) -> dict:

@@ -1,7 +1,9 @@
 """The Python client: ``Client("host:port").generate(...)``, ``.stream(...)``, and ``AsyncClient`` for asyncio.
 
-A prompt is text, a list of token ids, or chat messages (a list of ``{"role", "content"}`` dicts,
-rendered with the model's chat template). Options are ``build_request``'s keywords, structured outputs
+A prompt is text, a list of token ids, or chat messages (a list of OpenAI's message dicts: ``{"role",
+"content"}``, an assistant's ``tool_calls``, a tool's ``tool_call_id``), rendered with the model's chat template,
+which also lists ``tools=[...]`` (OpenAI's function tools; the answer is the model's text, calls unparsed).
+Options are ``build_request``'s keywords, structured outputs
 included: ``structured_outputs={"json": schema}`` (or ``regex``, ``choice``, ``grammar``, ``json_object``) or
 OpenAI's ``response_format``. Errors arrive as ``grpc.RpcError`` with the server's
 status code and message. A router started with an API key wants it with every call: ``api_key=``, by

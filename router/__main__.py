@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
         from router.openai_api import create_app
 
         names = settings.served_model_name or [path.name]
-        app = create_app(router, names, door, serve_metrics=not settings.metrics_port, root=str(path))
+        app = create_app(router, names, door, serve_metrics=not settings.metrics_port, root=str(path),
+                         tool_call_parser=settings.tool_call_parser)  # fmt: skip
         try:
             http = HttpServer(app, host, settings.http_port, settings.tls_cert, settings.tls_key, settings.tls_ca)
         except OSError as err:

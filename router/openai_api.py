@@ -37,11 +37,11 @@ from router import openai_protocol as api
 from router.limits import FrontDoor, HttpFrontDoor
 from router.openai_fields import FieldError
 from router.openai_logprobs import TokenText
-from router.openai_response import Choices, collect, completion, events, merged
+from router.openai_response import Choices, Tools, collect, completion, events, merged
 from router.server import RouteError, Router
 from router.validation_queue import ValidationBusy
+from rpc.chat import chat_messages, chat_texts, encode_chat, tool_call_format
 from rpc.streams import cancel_when_stalled
-from rpc.validation import encode_chat
 
 _T = TypeVar("_T")
 _CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, but logs show what happened
@@ -52,12 +52,17 @@ class _ClientGone(Exception):
 
 
 def create_app(router: Router, model_names: str | Sequence[str], door: FrontDoor | None = None,
-               serve_metrics: bool = True, root: str | None = None) -> FastAPI:  # fmt: skip
+               serve_metrics: bool = True, root: str | None = None,
+               tool_call_parser: str = "auto") -> FastAPI:  # fmt: skip
     """The HTTP API over ``router`` behind ``door`` (default: no key, default limits); ``model_names`` are what
     ``/v1/models`` lists and requests may name (answers carry the name asked for, else the first); ``root`` is
-    the model's path (default: the first name); ``serve_metrics`` false leaves ``/metrics`` to another port."""
+    the model's path (default: the first name); ``serve_metrics`` false leaves ``/metrics`` to another port;
+    ``tool_call_parser``: the format of the model's tool calls (``router.openai_tools``; auto: the chat
+    template's)."""
     names = [model_names] if isinstance(model_names, str) else list(model_names)
-    served = _Served(names, root or names[0], router.max_context)
+    template = str(router.tokenizer.hf.chat_template or "") if router.tokenizer is not None else ""
+    call_format = tool_call_format(template) if tool_call_parser == "auto" else tool_call_parser
+    served = _Served(names, root or names[0], router.max_context, call_format)
     app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(HttpFrontDoor, door=door or FrontDoor())
 
@@ -85,11 +90,11 @@ def create_app(router: Router, model_names: str | Sequence[str], door: FrontDoor
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request) -> Response:
-        return served.refuse(body.model) or await _serve(router, served.name(body.model), body, request, chat=False)
+        return served.refuse(body.model) or await _serve(router, served, body, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: api.ChatCompletionRequest, request: Request) -> Response:
-        return served.refuse(body.model) or await _serve(router, served.name(body.model), body, request, chat=True)
+        return served.refuse(body.model) or await _serve(router, served, body, request, chat=True)
 
     @app.post("/tokenize")
     async def tokenize(body: api.TokenizeRequest) -> Response:
@@ -103,10 +108,12 @@ def create_app(router: Router, model_names: str | Sequence[str], door: FrontDoor
 
 
 class _Served:
-    """The names the API serves its one model under, and what ``/v1/models`` says of it."""
+    """The names the API serves its one model under, what ``/v1/models`` says of it, and how it writes tool
+    calls."""
 
-    def __init__(self, names: list[str], root: str, max_model_len: int) -> None:
+    def __init__(self, names: list[str], root: str, max_model_len: int, tool_call_format: str) -> None:
         self.names, self.root, self.max_model_len = names, root, max_model_len
+        self.tool_call_format = tool_call_format
 
     def card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": "kvserve", "root": self.root,
@@ -125,13 +132,14 @@ class _Served:
         return JSONResponse(body, status_code=404)
 
 
-async def _serve(router: Router, model: str, body: api.CompletionRequest | api.ChatCompletionRequest,
+async def _serve(router: Router, served: _Served, body: api.CompletionRequest | api.ChatCompletionRequest,
                  request: Request, chat: bool) -> Response:  # fmt: skip
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    model = served.name(body.model)
     try:
         body.check_fields()
         protos = [body.to_proto(request_id)] if chat else body.to_protos(request_id)
-        message_fields = body.message_fields() if isinstance(body, api.ChatCompletionRequest) else None
+        tools = Tools(body.tool_plan, served.tool_call_format) if chat and body.tool_plan.mode else None
     except ValueError as err:
         return _error(grpc.StatusCode.INVALID_ARGUMENT, str(err), getattr(err, "param", None))
     try:
@@ -139,8 +147,8 @@ async def _serve(router: Router, model: str, body: api.CompletionRequest | api.C
     except ValueError as err:
         return _error(grpc.StatusCode.INVALID_ARGUMENT, str(err), "prompt")
     logprobs = protos[0].sampling.HasField("logprobs")
-    choices = Choices(chat, TokenText(router.tokenizer), logprobs, echoes, body.n or 1)
-    stream = merged([router.generate(proto, message_fields=message_fields) for proto in protos])
+    choices = Choices(chat, TokenText(router.tokenizer), logprobs, echoes, body.n or 1, tools)
+    stream = merged([router.generate(proto) for proto in protos])
     try:
         if not body.stream:
             await _unless_gone(request, collect(stream, choices))
@@ -169,12 +177,13 @@ async def _tokenize(router: Router, body: api.TokenizeRequest) -> Response:
         if (body.prompt is None) == (body.messages is None):
             raise FieldError("prompt", "send either prompt or messages")
         if body.messages is not None:
-            messages = body.template_messages()
-            num_chars = sum(len(m["content"]) for m in messages)
+            chat = body.chat()
+            messages, tools = chat_messages(chat, router.max_context)
+            num_chars = sum(map(len, chat_texts(chat)))
             add = bool(body.add_special_tokens)  # the template wrote the special tokens it wants
 
             def work() -> list[int]:
-                return encode_chat(tokenizer, messages, body.add_generation_prompt, add)
+                return encode_chat(tokenizer, messages, tools, body.add_generation_prompt, add)
         else:
             prompt, num_chars, add = body.prompt, len(body.prompt), body.add_special_tokens is not False
 

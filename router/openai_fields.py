@@ -5,7 +5,7 @@ A field of a ``/v1/completions`` or ``/v1/chat/completions`` body is one of:
 * served: declared on the request models of ``router.openai_protocol`` (OpenAI's, and the vLLM extras kvserve
   implements: ``top_k``, ``ignore_eos``, ...);
 * ``UNSERVED``: OpenAI's fields kvserve does not implement, each with the values that ask for nothing (null,
-  its default: ``suffix: ""``, ``tools: []``). Such a value is accepted; any other is
+  its default: ``suffix: ""``, ``functions: []``). Such a value is accepted; any other is
   refused with 400 naming the field, never silently dropped. Implementing a field removes its entry here
   and declares it on the request models;
 * ``IGNORED``: OpenAI's fields that change no answer kvserve gives (who the user is, what to store, which
@@ -26,9 +26,6 @@ log = logging.getLogger(__name__)
 # field -> the values (besides null) that ask for nothing, the first being the one to suggest
 UNSERVED: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),  # with no tools, "auto" calls none
-    "parallel_tool_calls": (True, False),  # means nothing while tools are refused; goes with them
     "functions": ([],),
     "function_call": ("none", "auto"),
     "audio": (),

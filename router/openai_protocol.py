@@ -15,12 +15,13 @@ refused unless their value asks for nothing, the rest are ignored.
 Only types are checked here; every rule on values lives in ``rpc.validation``, which the router applies
 to the ``pb.GenerateRequest`` built here, so both doors refuse the same requests with the same message.
 Chat messages: ``developer`` is rendered as ``system``; a ``tool`` message needs its ``tool_call_id``; an
-assistant message may carry ``tool_calls`` and no content. What ``pb.ChatMessage`` does not carry (tool calls,
-tool call ids, names) goes beside it to the chat template (``message_fields``).
+assistant message may carry ``tool_calls`` and no content. ``tools``, ``tool_choice`` and
+``parallel_tool_calls``: ``router.openai_tools``.
 """
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Literal
 
 import grpc
@@ -28,7 +29,8 @@ from pydantic import BaseModel, ConfigDict
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from router.openai_fields import FieldError, check_extra_fields
-from rpc.requests import build_request, structured_output
+from router.openai_tools import ToolChoice, ToolDefinition, ToolPlan, plan, shown_choice
+from rpc.requests import build_request, structured_output, tool
 
 # gRPC status -> (HTTP status, OpenAI error type)
 _HTTP_ERRORS = {
@@ -158,12 +160,23 @@ class ChatMessage(BaseModel):
                                  "only text content parts are served")  # fmt: skip
         return "".join(part.text for part in self.content)
 
-    def template_fields(self, i: int) -> dict[str, Any]:
-        """What the chat template gets beside the role and content."""
+    def to_proto(self, i: int) -> pb.ChatMessage:
+        """Message ``i`` on the wire; ``FieldError`` for a tool message that names no call (``rpc.chat`` refuses
+        it too, for gRPC; here the error names the field)."""
         if self.role == "tool" and not self.tool_call_id:
             message = f"messages[{i}] has role tool and no tool_call_id: name the tool call it answers"
             raise FieldError(f"messages.{i}.tool_call_id", message)
-        return self.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)
+        calls = [pb.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                 for c in self.tool_calls or []]  # fmt: skip
+        return pb.ChatMessage(role=_ROLE_AS.get(self.role, self.role), content=self.text(i), name=self.name or "",
+                              tool_call_id=self.tool_call_id or "", tool_calls=calls)  # fmt: skip
+
+
+def chat_proto(messages: list[ChatMessage], tools: list[dict[str, Any]]) -> pb.ChatMessages:
+    """The wire's conversation (``rpc.chat`` renders it); ``tools``: those the template lists."""
+    if not messages:
+        raise FieldError("messages", "messages is empty")
+    return pb.ChatMessages(messages=[m.to_proto(i) for i, m in enumerate(messages)], tools=[tool(t) for t in tools])
 
 
 class ChatCompletionRequest(_Common):
@@ -171,39 +184,45 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None  # with logprobs: that many alternatives per token (<= 20)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None  # router.openai_tools
+    parallel_tool_calls: bool | None = None
+
+    @cached_property
+    def tool_plan(self) -> ToolPlan:
+        return plan(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def to_proto(self, request_id: str) -> pb.GenerateRequest:
         """Unset ``max_tokens``: the router gives a chat the rest of the context (``rpc.validation``)."""
-        if not self.messages:
-            raise FieldError("messages", "messages is empty")
-        messages = [{"role": _ROLE_AS.get(m.role, m.role), "content": m.text(i)} for i, m in enumerate(self.messages)]
+        chat = chat_proto(self.messages, self.tool_plan.tools)
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return _build(messages, request_id, self.sampling(max_tokens, logprobs, None))
-
-    def message_fields(self) -> list[dict[str, Any]] | None:
-        """Per message, what the chat template gets beside role and content; None when no message has any."""
-        fields = [m.template_fields(i) for i, m in enumerate(self.messages)]
-        return fields if any(fields) else None
+        sampling = self.sampling(max_tokens, logprobs, None)
+        if self.tool_plan.structured_outputs is not None:
+            if sampling["structured_outputs"] is not None or sampling["response_format"] is not None:
+                raise FieldError("tool_choice", f"tool_choice={shown_choice(self.tool_choice)} constrains the "
+                                 "output, and so do response_format and structured_outputs: send one")  # fmt: skip
+            sampling["structured_outputs"] = self.tool_plan.structured_outputs
+        return _build(chat, request_id, sampling)
 
 
 _ROLE_AS = {"developer": "system"}  # OpenAI's name for system messages to newer models
 
 
 class TokenizeRequest(_Body):
-    """vLLM's ``/tokenize``: a prompt, or chat messages rendered with the chat template."""
+    """vLLM's ``/tokenize``: a prompt, or chat messages (and tools) rendered with the chat template."""
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template has them)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [{"role": _ROLE_AS.get(m.role, m.role), "content": m.text(i), **m.template_fields(i)}
-                for i, m in enumerate(self.messages or [])]  # fmt: skip
+    def chat(self) -> pb.ChatMessages:
+        return chat_proto(self.messages or [], [t.model_dump(exclude_none=True) for t in self.tools or []])
 
 
 class DetokenizeRequest(_Body):

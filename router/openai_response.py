@@ -16,11 +16,13 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from router import openai_protocol as api
 from router.openai_logprobs import Choice, TokenText
+from router.openai_tools import Call, ToolCallStream, ToolPlan, parse
 from router.server import RouteError
 
 
@@ -28,9 +30,11 @@ class Choices:
     """The answer's choices, each made when its first message arrives: its text and log-probabilities
     (``Choice``), and how it finished."""
 
-    def __init__(self, chat: bool, text_of: TokenText, logprobs: bool, echoes: list[str | None], n: int) -> None:
-        self.chat, self.n = chat, n
+    def __init__(self, chat: bool, text_of: TokenText, logprobs: bool, echoes: list[str | None], n: int,
+                 tools: Tools | None = None) -> None:  # fmt: skip
+        self.chat, self.n, self.tools = chat, n, tools
         self._text_of, self._logprobs, self._echoes = text_of, logprobs, echoes
+        self._tool_streams: dict[int, ToolCallStream] = {}
         self._choices: dict[int, Choice] = {}
         self.texts: dict[int, list[str]] = {}
         self.pieces: dict[int, list[dict[str, Any] | None]] = {}
@@ -55,8 +59,33 @@ class Choices:
 
     def body(self) -> list[dict[str, Any]]:
         """Every choice of the whole answer, by index."""
-        return [choice_body(self.chat, i, "".join(self.texts[i]), self.finish_reasons[i],
-                            self._choices[i].join(self.pieces[i])) for i in sorted(self._choices)]  # fmt: skip
+        return [self._body(i) for i in sorted(self._choices)]
+
+    def _body(self, i: int) -> dict[str, Any]:
+        text, finish_reason = "".join(self.texts[i]), self.finish_reasons[i]
+        logprobs = self._choices[i].join(self.pieces[i])
+        if not self.chat:
+            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            message["content"], calls = self.tools.parse(text)
+            if calls:
+                message["tool_calls"] = [call.body() for call in calls]
+            finish_reason = self.tools.finish_reason(finish_reason, calls)
+        return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A streamed chat piece of choice ``index`` as (delta without the role, finish_reason): its content and,
+        with tools, its tool-call deltas (``router.openai_tools.ToolCallStream``)."""
+        if self.tools is None:
+            return {"content": text}, finish_reason
+        stream = self._tool_streams.setdefault(index, self.tools.stream())
+        content, calls = stream.feed(text)
+        if finish_reason is not None:
+            rest, more = stream.finish()
+            content, calls = content + rest, calls + more
+            finish_reason = self.tools.finish_reason(finish_reason, stream.calls)
+        return {"content": content} | ({"tool_calls": calls} if calls else {}), finish_reason
 
     def usage(self) -> dict[str, Any]:
         """Every prompt's tokens once, every choice's completion tokens."""
@@ -65,6 +94,25 @@ class Choices:
         cached = sum(u.cached_prompt_tokens for u in self.usages)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Tools:
+    """How a chat request's answers are read as tool calls: its ``ToolPlan`` and the model's call format."""
+
+    plan: ToolPlan
+    fmt: str
+
+    def parse(self, text: str) -> tuple[str | None, list[Call]]:
+        return parse(self.plan.mode, self.fmt, text, self.plan.name, self.plan.parallel)
+
+    def stream(self) -> ToolCallStream:
+        return ToolCallStream(self.plan.mode, self.fmt, self.plan.name, self.plan.parallel)
+
+    def finish_reason(self, finish_reason: str | None, calls: list[Call]) -> str | None:
+        """"tool_calls" where an answer that stopped made calls it chose (auto, required)."""
+        chose = self.plan.mode in ("auto", "required") and calls
+        return "tool_calls" if chose and finish_reason == "stop" else finish_reason
 
 
 async def merged(streams: list[AsyncIterator[pb.GenerateResponse]]) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
@@ -115,14 +163,6 @@ def completion(request_id: str, model: str, choices: Choices) -> dict[str, Any]:
             "usage": choices.usage()}  # fmt: skip
 
 
-def choice_body(chat: bool, index: int, text: str, finish_reason: str | None,
-                logprobs: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
-    if chat:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}  # fmt: skip
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
 def chunk(request_id: str, model: str, chat: bool, choices: list[dict[str, Any]],
           usage: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """One streamed event; with ``usage``, the closing usage event (no choices), as OpenAI sends it."""
@@ -133,10 +173,11 @@ def chunk(request_id: str, model: str, chat: bool, choices: list[dict[str, Any]]
     return body
 
 
-def chunk_choice(chat: bool, index: int, text: str, finish_reason: str | None, first: bool,
+def chunk_choice(choices: Choices, index: int, text: str, finish_reason: str | None, first: bool,
                  logprobs: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
-    if chat:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
+    if choices.chat:
+        delta, finish_reason = choices.delta(index, text, finish_reason)
+        delta = ({"role": "assistant"} if first else {}) | delta
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
@@ -152,7 +193,7 @@ async def events(stream: AsyncIterator[tuple[int, pb.GenerateResponse]], first: 
             while item is not None:
                 prompt, msg = item
                 index, text, logprobs, is_first = choices.piece(prompt, msg)
-                body = chunk_choice(chat, index, text, msg.finish_reason or None, is_first, logprobs)
+                body = chunk_choice(choices, index, text, msg.finish_reason or None, is_first, logprobs)
                 yield sse(chunk(request_id, model, chat, [body]))
                 item = await anext(stream, None)
         except RouteError as err:

@@ -33,9 +33,9 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 
@@ -118,14 +118,12 @@ class Router(pb_grpc.InferenceServicer):
         except RouteError as err:
             await context.abort(err.code, err.details)
 
-    async def generate(self, request: pb.GenerateRequest, timeout_s: float | None = None,
-                       message_fields: Sequence[dict[str, Any]] | None = None
+    async def generate(self, request: pb.GenerateRequest, timeout_s: float | None = None
                        ) -> AsyncIterator[pb.GenerateResponse]:  # fmt: skip
-        """``_route``, counted in ``kvserve_router_requests_total`` by how it ended. ``message_fields``: what the
-        chat template gets beside each message's role and content (``rpc.validation.validate_generate``)."""
+        """``_route``, counted in ``kvserve_router_requests_total`` by how it ended."""
         status = "OK"
         try:
-            async with aclosing(self._route(request, timeout_s, message_fields)) as stream:
+            async with aclosing(self._route(request, timeout_s)) as stream:
                 async for msg in stream:
                     yield msg
         except RouteError as err:
@@ -137,8 +135,7 @@ class Router(pb_grpc.InferenceServicer):
         finally:
             metrics.ROUTER_REQUESTS.labels(status).inc()
 
-    async def _route(self, request: pb.GenerateRequest, timeout_s: float | None,
-                     message_fields: Sequence[dict[str, Any]] | None
+    async def _route(self, request: pb.GenerateRequest, timeout_s: float | None
                      ) -> AsyncIterator[pb.GenerateResponse]:  # fmt: skip
         """Validate, route and relay one public request: the decode worker's messages, the last with
         ``finish_reason``. Every failure is a ``RouteError`` (nothing else escapes), raised before the first
@@ -146,7 +143,7 @@ class Router(pb_grpc.InferenceServicer):
         cancels the decode call, which frees its blocks: both the gRPC servicer and the HTTP API consume it."""
         received = time.perf_counter()
         try:
-            prompt, params = await self._validator.validate(request, message_fields)
+            prompt, params = await self._validator.validate(request)
         except ValueError as err:
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         except ValidationBusy as err:

@@ -4,6 +4,8 @@ are ``kvserve up``'s too, which passes them on to the router it starts (and its 
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from engine.config import ModelSettings
@@ -35,6 +37,12 @@ class ServedModelSettings(Settings):
         [],
         description="the names clients may send as 'model' (as vLLM's flag: one or more; the first is the one "
         "answers carry when a request names none); none: the model directory's name",
+    )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto",
+        description="the format in which the model writes tool calls, read into the chat API's tool_calls "
+        "(router/openai_tools.py): hermes (<tool_call> JSON: Qwen2.5, Qwen3) or llama3_json; auto: from the chat "
+        "template (hermes for a template without tools, which is then asked for that format)",
     )
 
 

@@ -27,13 +27,14 @@ import asyncio
 import itertools
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from protos.kvserve.v1 import kvserve_pb2 as pb
+from rpc.chat import chat_texts
 from rpc.validation import MAX_PROMPT_BYTES, validate_generate
 
 DEFAULT_MAX_BACKLOG = 4 << 20  # prompt characters
@@ -72,14 +73,13 @@ class ValidationQueue:
         self._thread = threading.Thread(target=self._work, name="router-validate", daemon=True)
         self._thread.start()
 
-    async def validate(self, request: pb.GenerateRequest, message_fields: Sequence[dict[str, Any]] | None = None
-                       ) -> tuple[list[int], SamplingParams]:  # fmt: skip
+    async def validate(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and sampling parameters (``rpc.validation.validate_generate``); ``ValueError``
         for a bad request, ``ValidationBusy`` when the backlog is full. Cancelling the caller drops a request that
         still waits."""
         size = self._admit(request)
         return await self._submit(size, lambda: validate_generate(request, self.tokenizer, self.vocab_size,
-                                                                  self.max_context, message_fields))  # fmt: skip
+                                                                  self.max_context))  # fmt: skip
 
     async def run(self, num_chars: int, work: Callable[[], _T], what: str = "the text is") -> _T:
         """``work()`` (which uses the tokenizer) on the validation thread, queued as a prompt of ``num_chars``
@@ -109,7 +109,7 @@ class ValidationQueue:
         if kind == "token_ids":
             size = len(request.token_ids.ids)
         else:
-            size = len(request.text) if kind == "text" else sum(len(m.content) for m in request.chat.messages)
+            size = len(request.text) if kind == "text" else sum(map(len, chat_texts(request.chat)))
             self._check_chars(size, "prompt text is" if kind == "text" else "chat messages' contents are")
         return self._reserve(max(size, 1))
 

@@ -15,7 +15,7 @@ from typing import Any
 from protos.kvserve.v1 import kvserve_pb2 as pb
 
 API_KEY_ENV = "KVSERVE_API_KEY"  # the router's API key, and the one its clients send by default
-Prompt = str | list[int] | list[dict[str, str]]
+Prompt = str | list[int] | list[dict[str, Any]]
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "streaming_window",
              "streaming_sinks", "speculative", "presence_penalty", "frequency_penalty", "min_tokens", "min_p",
              "logprobs", "prompt_logprobs", "n")  # fmt: skip
@@ -46,9 +46,12 @@ def build_request(
     n: int | None = None,
     structured_outputs: dict[str, Any] | None = None,
     response_format: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
     request_id: str = "",
 ) -> pb.GenerateRequest:
-    """``prompt`` is text, token ids or chat messages (``{"role", "content"}`` dicts); ``None`` options stay
+    """``prompt`` is text, token ids or chat messages (OpenAI's: ``{"role", "content"}``, an assistant's
+    ``tool_calls``, a tool's ``tool_call_id``; ``tools``: OpenAI's function tools, which the chat template
+    lists, ``pb.ChatMessages``); ``None`` options stay
     unset, so the server applies its defaults (``engine.sampling_params.SamplingParams`` says what each does;
     ``n``: that many choices, their messages told apart by ``GenerateResponse.index``). ``structured_outputs``
     (vLLM's) or ``response_format`` (OpenAI's) constrain the output: ``SamplingOptions.structured_output``."""
@@ -66,12 +69,40 @@ def build_request(
     request = pb.GenerateRequest(request_id=request_id, sampling=sampling)
     if isinstance(prompt, str):
         request.text = prompt
+    elif isinstance(prompt, pb.ChatMessages):
+        request.chat.CopyFrom(prompt)
     elif prompt and isinstance(prompt[0], dict):
-        request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+        request.chat.messages.extend(map(chat_message, prompt))
+        request.chat.tools.extend(map(tool, tools or []))
     else:
         request.token_ids.ids.extend(prompt)
         request.token_ids.SetInParent()  # an empty list is still "token_ids", so the server can say it is empty
+    if tools and request.WhichOneof("prompt") != "chat":
+        raise ValueError("tools are listed by the chat template: send chat messages with them")
     return request
+
+
+def chat_message(message: dict[str, Any]) -> pb.ChatMessage:
+    """An OpenAI chat message (``content`` a string or null) on the wire."""
+    calls = [pb.ToolCall(id=c.get("id", ""), name=c["function"]["name"], arguments=_json_text(c["function"].get(
+        "arguments", "{}"))) for c in message.get("tool_calls") or []]  # fmt: skip
+    return pb.ChatMessage(role=message["role"], content=message.get("content") or "", name=message.get("name") or "",
+                          tool_call_id=message.get("tool_call_id") or "", tool_calls=calls)  # fmt: skip
+
+
+def tool(spec: dict[str, Any]) -> pb.Tool:
+    """An OpenAI function tool (``{"type": "function", "function": {"name", "description", "parameters"}}``) on
+    the wire."""
+    if spec.get("type", "function") != "function" or not isinstance(spec.get("function"), dict):
+        raise ValueError("a tool must be {'type': 'function', 'function': {'name', 'description', 'parameters'}}")
+    function = spec["function"]
+    parameters = function.get("parameters")
+    return pb.Tool(name=function.get("name", ""), description=function.get("description") or "",
+                   parameters="" if parameters is None else _json_text(parameters))  # fmt: skip
+
+
+def _json_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")

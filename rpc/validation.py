@@ -5,11 +5,12 @@ Each raises ``ValueError`` with a message that names the field, the limit and th
 send back as INVALID_ARGUMENT (HTTP 400). The rules:
 
 * ``request_id``: at most ``MAX_REQUEST_ID_CHARS`` characters (it is echoed in every streamed message);
-* prompt: exactly one of text, token ids or chat messages, not empty; text and chat contents (with the
-  fields beside them: ``message_fields``) at most ``MAX_PROMPT_BYTES`` of UTF-8 before tokenizing (longer
-  never fits a context we serve, and tokenizing it would cost the router about a second per MiB); chat roles
-  from ``CHAT_ROLES`` and fewer messages than context tokens; token ids inside the vocabulary; fewer tokens
-  than the model's context, so that at least one can be generated;
+* prompt: exactly one of text, token ids or chat messages, not empty; text and chat contents (with their
+  tool calls and tools) at most ``MAX_PROMPT_BYTES`` of UTF-8 before tokenizing (longer never fits a context
+  we serve, and tokenizing it would cost the router about a second per MiB); chat messages and tools as
+  ``rpc.chat`` requires them (roles, tool call ids, function names, JSON) and fewer messages than context
+  tokens; token ids inside the vocabulary; fewer tokens than the model's context, so that at least one can
+  be generated;
 * sampling: what ``SamplingParams.validate`` requires (finite numbers, temperature 0 or at least
   ``engine.sampling_params.MIN_TEMPERATURE``, top_p in (0, 1], repetition_penalty > 0, ...), plus at
   most ``MAX_STOP_STRINGS`` stop strings of at most ``MAX_STOP_CHARS`` characters and at most
@@ -27,16 +28,13 @@ send back as INVALID_ARGUMENT (HTTP 400). The rules:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from typing import Any
-
-from jinja2 import TemplateError
 
 from engine.sampling_params import SamplingParams, check_token_ids
 from engine.tokenizer import Tokenizer
 from kvstore.ring import UNBOUNDED
 from protos.kvserve.v1 import kvserve_pb2 as pb
+from rpc.chat import chat_messages, chat_texts, encode_chat
 from rpc.convert import sampling_from_proto
 
 MAX_REQUEST_ID_CHARS = 256
@@ -46,7 +44,6 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256  # the engine checks every new token against this list
 MAX_LOGIT_BIAS = 1024  # entries: each is one more index in the sampler's step
 MAX_STRUCTURED_BYTES = 1 << 16  # a structured output's schema, regex, choices or grammar, as sent
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def validate_generate(
@@ -54,18 +51,15 @@ def validate_generate(
     tokenizer: Tokenizer | None,
     vocab_size: int,
     max_context: int,
-    message_fields: Sequence[dict[str, Any]] | None = None,
 ) -> tuple[list[int], SamplingParams]:
-    """A public request's prompt token ids and its ``SamplingParams``, or ``ValueError``. ``message_fields``:
-    per chat message, what its template gets beside the role and content, which ``pb.ChatMessage`` does not
-    carry (the HTTP door's ``tool_calls``, ``tool_call_id`` and ``name``).
+    """A public request's prompt token ids and its ``SamplingParams``, or ``ValueError``.
 
     Tokenizing may take a while for long text: call it off the event loop.
     """
     validate_request_id(request.request_id)
     if is_streaming(request.sampling):
         max_context = UNBOUNDED
-    ids = validate_token_ids(_prompt_ids(request, tokenizer, max_context, message_fields), vocab_size, max_context)
+    ids = validate_token_ids(_prompt_ids(request, tokenizer, max_context), vocab_size, max_context)
     chat = request.WhichOneof("prompt") == "chat"
     return ids, validate_sampling(request.sampling, vocab_size, len(ids), max_context, fill_context=chat)
 
@@ -126,8 +120,7 @@ def validate_sampling(
     return params
 
 
-def _prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, max_context: int,
-                message_fields: Sequence[dict[str, Any]] | None) -> Sequence[int]:  # fmt: skip
+def _prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, max_context: int) -> Sequence[int]:
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise ValueError("the request has no prompt: set text, token_ids or chat")
@@ -140,47 +133,9 @@ def _prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, max_co
             raise ValueError("prompt text is empty")
         _check_prompt_bytes(len(request.text.encode()), "prompt text is")
         return tokenizer.encode(request.text)
-    messages = request.chat.messages
-    if not messages:
-        raise ValueError("chat has no messages")
-    if len(messages) >= max_context:  # every message renders as at least one token
-        raise ValueError(f"chat has {len(messages)} messages; the model's context is {max_context} tokens")
-    for i, m in enumerate(messages):
-        if m.role not in CHAT_ROLES:
-            raise ValueError(f"chat message {i} has role {m.role[:32]!r}; use one of {list(CHAT_ROLES)}")
-    fields = message_fields or [{}] * len(messages)
-    pairs = list(zip(messages, fields, strict=True))
-    num_bytes = sum(len(m.content.encode()) + (len(json.dumps(f)) if f else 0) for m, f in pairs)
-    _check_prompt_bytes(num_bytes, "chat messages' contents are")
-    chat = [{"role": m.role, "content": m.content} | f for m, f in pairs]
-    return encode_chat(tokenizer, chat)
-
-
-def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                add_special_tokens: bool = False) -> list[int]:  # fmt: skip
-    """Chat messages' token ids, rendered by the model's chat template (``template_messages``); ``ValueError``
-    when the template refuses them."""
-    try:
-        text = tokenizer.apply_chat_template(template_messages(messages, str(tokenizer.hf.chat_template or "")),
-                                             add_generation_prompt)  # fmt: skip
-    except TemplateError as err:
-        raise ValueError(f"the model's chat template refused these messages: {err}") from err
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-
-def template_messages(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
-    """``messages`` as ``template`` gets them: where it does not render ``tool_calls`` (SmolLM2's does not), an
-    assistant message's tool calls are written into its content too, one OpenAI function object of JSON a
-    line, so that the model still sees what it called. A template that knows them gets them as they came."""
-    if "tool_calls" in template:
-        return messages
-    out = []
-    for m in messages:
-        if m.get("tool_calls"):
-            calls = "\n".join(json.dumps(c["function"], ensure_ascii=False) for c in m["tool_calls"])
-            m = m | {"content": "\n".join(filter(None, [m["content"], calls]))}
-        out.append(m)
-    return out
+    _check_prompt_bytes(sum(len(t.encode()) for t in chat_texts(request.chat)), "chat messages' contents are")
+    messages, tools = chat_messages(request.chat, max_context)
+    return encode_chat(tokenizer, messages, tools)
 
 
 def _check_prompt_bytes(num_bytes: int, what_is: str) -> None:

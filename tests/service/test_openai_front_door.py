@@ -42,7 +42,7 @@ def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context(client):
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "get_weather"}}]),
+    ("/v1/chat/completions", "functions", [{"name": "get_weather"}]),
     ("/v1/completions", "suffix", "!"),
 ])  # fmt: skip
 def test_an_unimplemented_field_is_400_naming_it(stack, path, field, value):

@@ -1,7 +1,8 @@
 """The HTTP API's request bodies (``router.openai_protocol``, ``router.openai_fields``): OpenAI's fields kvserve
 does not implement are refused, naming the field, unless their value asks for nothing; harmless ones and
 unknown ones are accepted (an unknown one logged once); chat messages of the developer and tool roles and
-assistant tool calls become what the chat template renders; a chat without max_tokens may fill the context."""
+assistant tool calls go on the wire (their rendering: tests/unit/test_tool_calls.py); a chat without max_tokens
+may fill the context."""
 
 from __future__ import annotations
 
@@ -9,12 +10,11 @@ import logging
 
 import pytest
 
-from engine.tokenizer import Tokenizer
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from router import openai_fields
 from router.openai_fields import UNSERVED, FieldError
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
-from rpc.validation import encode_chat, template_messages, validate_sampling
+from rpc.validation import validate_sampling
 
 USER = {"role": "user", "content": "Weather in Paris?"}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
@@ -33,8 +33,7 @@ def _chat(messages=(USER,), **fields) -> ChatCompletionRequest:
 @pytest.mark.parametrize("fields", [
     {"n": 1}, {"best_of": 1}, {"echo": False}, {"suffix": ""}, {"logprobs": False}, {"logprobs": None},
     {"top_logprobs": 0}, {"presence_penalty": 0}, {"frequency_penalty": 0.0}, {"logit_bias": {}},
-    {"response_format": {"type": "text"}}, {"tools": []}, {"tool_choice": "none"}, {"tool_choice": "auto"},
-    {"parallel_tool_calls": True}, {"functions": []}, {"function_call": "none"}, {"modalities": ["text"]},
+    {"response_format": {"type": "text"}}, {"functions": []}, {"function_call": "none"}, {"modalities": ["text"]},
     {"audio": None}, {"verbosity": "medium"},
     {"user": "u-1", "metadata": {"k": "v"}, "store": True, "service_tier": "flex", "prompt_cache_key": "k"},
 ])  # fmt: skip
@@ -45,7 +44,6 @@ def test_values_that_ask_for_nothing_are_accepted(fields):
 
 @pytest.mark.parametrize("name, value", [
     ("suffix", "!"),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("audio", {"voice": "alloy"}),
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
     ("reasoning_effort", "low"), ("verbosity", "high"), ("web_search_options", {}),
@@ -87,13 +85,13 @@ def test_the_set_of_logged_names_is_bounded(monkeypatch):
     assert len(openai_fields._logged_names) == openai_fields.MAX_LOGGED_NAMES
 
 
-def test_developer_is_system_and_tool_messages_reach_the_template():
-    chat = _chat([{"role": "developer", "content": "Be brief."}, *TOOL_TURN])
-    messages = chat.to_proto("r").chat.messages
+def test_developer_is_system_and_tool_messages_go_on_the_wire():
+    messages = _chat([{"role": "developer", "content": "Be brief."}, *TOOL_TURN]).to_proto("r").chat.messages
     assert [(m.role, m.content) for m in messages] == [("system", "Be brief."), ("user", USER["content"]),
                                                         ("assistant", ""), ("tool", "18 C, sunny")]  # fmt: skip
-    assert chat.message_fields() == [{}, {}, {"tool_calls": [CALL]}, {"tool_call_id": "call_1"}]
-    assert _chat().message_fields() is None
+    assert [(c.id, c.name, c.arguments) for c in messages[2].tool_calls] == [("call_1", "get_weather",
+                                                                             '{"city": "Paris"}')]  # fmt: skip
+    assert messages[3].tool_call_id == "call_1" and not messages[1].tool_calls
 
 
 @pytest.mark.parametrize("messages, param", [
@@ -105,40 +103,8 @@ def test_developer_is_system_and_tool_messages_reach_the_template():
 ])  # fmt: skip
 def test_bad_messages_are_refused_naming_the_field(messages, param):
     with pytest.raises(FieldError) as err:
-        chat = _chat(messages)
-        chat.to_proto("r")
-        chat.message_fields()
+        _chat(messages).to_proto("r")
     assert err.value.param == param
-
-
-def test_a_template_without_tool_calls_gets_them_as_text():
-    messages = [{"role": "assistant", "content": "", "tool_calls": [CALL]}]
-    assert template_messages(messages, "{{ message['content'] }}")[0]["content"] == (
-        '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}'
-    )
-    assert template_messages(messages, "{% for c in message.tool_calls %}") == messages
-
-
-def test_the_bundled_template_renders_tool_and_developer_messages(model_dir):
-    tokenizer = Tokenizer(model_dir)
-    chat = _chat([{"role": "developer", "content": "Be brief."}, *TOOL_TURN])
-    messages = [{"role": m.role, "content": m.content} | f
-                for m, f in zip(chat.to_proto("r").chat.messages, chat.message_fields(), strict=True)]  # fmt: skip
-    text = tokenizer.decode(encode_chat(tokenizer, messages), skip_special_tokens=False)
-    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWeather in Paris?<|im_end|>\n"
-                    '<|im_start|>assistant\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}'
-                    "<|im_end|>\n<|im_start|>tool\n18 C, sunny<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
-
-
-def test_a_template_that_knows_tool_calls_renders_them_itself(model_dir):
-    from pathlib import Path
-
-    tokenizer = Tokenizer(model_dir)
-    tokenizer.hf.chat_template = (Path(__file__).parents[1] / "support/chat_templates/qwen3.jinja").read_text()
-    text = tokenizer.decode(encode_chat(tokenizer, [USER, {"role": "assistant", "content": "", "tool_calls": [CALL]},
-                                                    TOOL_TURN[2]]), skip_special_tokens=False)  # fmt: skip
-    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
-    assert "<tool_response>\n18 C, sunny\n</tool_response>" in text
 
 
 def test_an_unset_max_tokens_fills_the_context_for_chat_only():
