@@ -21,16 +21,20 @@ answer back into ``tool_calls``.
 
 With ``auto``, ``parallel_tool_calls: false`` keeps the first call the model wrote.
 
-Streaming (``ToolCallStream``) sends OpenAI's deltas: content as it comes, until a call may begin; each call
-as ``{"index", "id", "type", "function": {"name", "arguments"}}``. A named call's arguments stream piece by
-piece after a first delta with its name; an ``auto`` Hermes call is sent once its ``</tool_call>`` closes it;
-``required`` and Llama 3 calls, whose end only the answer's end shows, at the end. ``finish_reason`` is
+Streaming (``ToolCallStream``) sends OpenAI's deltas: content as it comes, until a call may begin; then each
+call's first delta ``{"index", "id", "type", "function": {"name", "arguments": ""}}`` and its arguments piece
+by piece (``{"index", "function": {"arguments"}}``). That is how a named call and an ``auto`` Hermes call whose
+name comes first stream; the last few characters wait until the next piece shows whether they close the call.
+Other Hermes calls are sent whole once ``</tool_call>`` closes them; ``required`` and Llama 3 calls, whose end
+only the answer's end shows, at the end. A streamed call whose arguments turn out malformed (or are cut by
+``max_tokens``) ends with them as written, where the whole answer would be text. ``finish_reason`` is
 "tool_calls" when an ``auto`` or ``required`` answer made calls.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -42,6 +46,8 @@ from router.openai_fields import FieldError
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*(?=\{)')
+_HELD_TAIL = "} \t\r\n"  # a streamed call's arguments keep these back: they may close the call, not them
 
 
 class FunctionDefinition(BaseModel):
@@ -195,6 +201,16 @@ def _required_calls(text: str) -> list[Call] | None:
 
 
 def _call(body: str) -> Call | None:
+    """The call of a Hermes body; its arguments as the model wrote them when they follow the name (so that
+    pieces streamed from the text add up to them), else as JSON re-serialized."""
+    head = _HERMES_HEAD.match(body)
+    if head is not None:
+        try:
+            arguments, end = json.JSONDecoder().raw_decode(body, head.end())
+        except json.JSONDecodeError:
+            return None
+        if isinstance(arguments, dict) and re.fullmatch(r"\s*\}\s*", body[end:]):
+            return Call(head.group(1), body[head.end(): end])
     try:
         return _call_of(json.loads(body))
     except json.JSONDecodeError:
@@ -226,6 +242,7 @@ class ToolCallStream:
         self._sent = 0  # characters of text accounted for: sent as content, or inside a call already sent
         self._content_started = False  # blank content before a call is not content: held until text shows
         self._held = False  # the rest waits for the answer's end (Llama 3, required, or a call that failed)
+        self._open: tuple[int, int, int] | None = None  # a Hermes call whose arguments stream: (index, start, sent)
 
     @property
     def made_calls(self) -> bool:
@@ -253,7 +270,9 @@ class ToolCallStream:
             return "", [] if self.calls else self._named("")
         if self.mode is None:
             return self._content(len(self.text), force=True), []
-        if self.calls:  # Hermes: an unclosed last call
+        if self._open is not None:  # Hermes: the streaming call never closed
+            return "", self._close(_call(self.text[self._body_start():]), len(self.text))
+        if self.calls:  # Hermes: a last call that never closed
             start = self.text.find(_HERMES_OPEN, self._sent)
             more = [] if self._held or start < 0 else _hermes_calls(self.text[start:])
             return "", self._add(more)
@@ -272,7 +291,8 @@ class ToolCallStream:
         return [{"index": 0} | call]
 
     def _hermes(self) -> tuple[str, list[dict[str, Any]]]:
-        """Content up to a possible ``<tool_call>``; each call once it has closed."""
+        """Content up to a possible ``<tool_call>``; each call's name once it shows, then its arguments as they
+        come (a call whose name does not come first: whole, once it closes)."""
         deltas: list[dict[str, Any]] = []
         content = ""
         while not self._held:
@@ -283,16 +303,51 @@ class ToolCallStream:
                 break
             if not self.calls:
                 content += self._content(start)
-            end = self.text.find(_HERMES_CLOSE, start)
+            body = start + len(_HERMES_OPEN)
+            end = self.text.find(_HERMES_CLOSE, body)
             if end < 0:
+                deltas += self._stream_arguments(body)
                 break
-            call = _call(self.text[start + len(_HERMES_OPEN): end])
-            if call is None:  # the rest waits for finish (no call yet: the whole answer is then content)
+            call = _call(self.text[body:end])
+            if call is None and self._open is None:  # the rest waits for finish (no call yet: all content)
                 self._held = True
                 break
             self._sent = end + len(_HERMES_CLOSE)
-            deltas += self._add([call])
+            deltas += self._close(call, end) if self._open is not None else self._add([call])
         return content, deltas
+
+    def _stream_arguments(self, body: int) -> list[dict[str, Any]]:
+        """The open call's name (once), then what of its arguments cannot still turn out to close it."""
+        deltas = []
+        if self._open is None:
+            head = _HERMES_HEAD.match(self.text, body)
+            if head is None or not (self.parallel or not self.calls):
+                return []
+            deltas = self._add([Call(head.group(1), "")])
+            self._open = (len(self.calls) - 1, head.end(), 0)
+        _, start, sent = self._open
+        safe = len(self.text) - _partial_tag(self.text, _HERMES_CLOSE)
+        safe = max(len(self.text[:safe].rstrip(_HELD_TAIL)), start + sent)
+        return deltas + self._arguments(self.text[start + sent: safe])
+
+    def _close(self, call: Call | None, end: int) -> list[dict[str, Any]]:
+        """The rest of the streaming call's arguments, its body ending at ``end``: as parsed, or, where the
+        body turned out malformed, as written up to the call's closing brace."""
+        index, start, sent = self._open
+        written = self.text[start:end].rstrip()
+        arguments = call.arguments if call is not None else written.removesuffix("}").rstrip()
+        if not arguments.startswith(self.text[start: start + sent]):
+            arguments = written  # (a call that parsed whole but not as streamed: what was written stands)
+        return self._arguments(arguments[sent:], final=arguments)
+
+    def _arguments(self, piece: str, final: str | None = None) -> list[dict[str, Any]]:
+        index, start, sent = self._open
+        self.calls[index].arguments += piece
+        self._open = None if final is not None else (index, start, sent + len(piece))
+        return [{"index": index, "function": {"arguments": piece}}] if piece else []
+
+    def _body_start(self) -> int:
+        return self.text.find(_HERMES_OPEN, self._sent) + len(_HERMES_OPEN)
 
     def _content(self, upto: int, force: bool = False) -> str:
         piece = self.text[self._sent: upto]

@@ -105,7 +105,10 @@ def test_auto_reads_a_call_the_model_writes_streamed_or_whole(client):
         content += chunk.choices[0].delta.content or ""
         finish_reason = chunk.choices[0].finish_reason
     assert content == "" and finish_reason == "tool_calls"
-    assert [(d.function.name, d.function.arguments) for d in deltas] == [(call.function.name, call.function.arguments)]
+    assert deltas[0].id.startswith("call_") and (deltas[0].function.name, deltas[0].function.arguments) == (
+        "get_weather", "")  # the name first, then the arguments piece by piece
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:]) and len(deltas) > 3
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
 
 
 def test_grpc_renders_the_same_tools_and_auto_reads_its_text(client, stack):

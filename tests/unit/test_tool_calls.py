@@ -173,6 +173,19 @@ def _joined(deltas: list[dict]) -> list[tuple[str, dict]]:
     return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
 
 
+def test_a_hermes_calls_arguments_stream_piece_by_piece_and_a_cut_one_as_written():
+    stream, pieces = ToolCallStream("auto", "hermes"), []
+    for char in HERMES:
+        pieces += stream.feed(char)[1]
+    weather = [d for d in pieces + stream.finish()[1] if d["index"] == 0]
+    assert weather[0]["function"] == {"name": "get_weather", "arguments": ""}  # the name first, alone
+    assert len(weather) > 10 and "".join(d["function"]["arguments"] for d in weather) == '{"city": "Paris"}'
+    cut = ToolCallStream("auto", "hermes")  # max_tokens ends it inside the arguments
+    deltas = cut.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')[1] + cut.finish()[1]
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"city": "Par'
+    assert parse("auto", "hermes", cut.text) == (cut.text, [])  # whole, it is text: no call is made up
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
     _, calls = parse("auto", "hermes", HERMES, parallel=False)
     assert [c.name for c in calls] == ["get_weather"]
