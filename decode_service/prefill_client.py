@@ -88,7 +88,11 @@ class PrefillClient:
                                  sampling=sampling_to_proto(req.params), destination=dest,
                                  num_cached_tokens=req.num_cached_tokens)  # fmt: skip
         req.prefill_sent_at = time.perf_counter()
-        req.future = self.aio.submit(self._call(target, call, timeout_s))
+        req.prefill_span = req.span.child("decode.remote_prefill", prefill_worker=target.worker_id,
+                                          backend=dest.backend, leased_blocks=len(dest.block_ids),
+                                          offered_cached_blocks=len(dest.cached_block_ids),
+                                          cached_tokens=req.num_cached_tokens)  # fmt: skip
+        req.future = self.aio.submit(self._call(target, call, timeout_s, req.prefill_span.metadata()))
         self.publish_lease(req, timeout_s)
 
     def publish_lease(self, req: ActiveRequest, ttl_s: float) -> None:
@@ -142,9 +146,11 @@ class PrefillClient:
             self._channels[key] = self.security.aio_channel(target.address, Identity("prefill", target.worker_id))
         return self._channels[key]
 
-    async def _call(self, target: WorkerInfo, request: pb.PrefillRequest, timeout_s: float) -> pb.PrefillResponse:
+    async def _call(self, target: WorkerInfo, request: pb.PrefillRequest, timeout_s: float,
+                    trace: tuple[tuple[str, str], ...]) -> pb.PrefillResponse:  # fmt: skip
         stub = pb_grpc.PrefillStub(self._channel(target))
-        return await stub.Prefill(request, timeout=timeout_s, metadata=self.security.metadata(self.worker_id))
+        metadata = self.security.metadata(self.worker_id) + trace
+        return await stub.Prefill(request, timeout=timeout_s, metadata=metadata)
 
     async def _refresh_forever(self) -> None:
         while True:

@@ -91,7 +91,7 @@ class RemotePrefillConnector(KVConnector):
         if req is None or req.state is not S.QUEUED:
             return
         if not req.admitted:
-            req.admitted = True
+            req.admitted, req.admitted_at = True, time.perf_counter()
             self.admission.leave()
         req.block_ids = seq.block_table.tolist()
         if not num_external_tokens:
@@ -143,6 +143,11 @@ class RemotePrefillConnector(KVConnector):
             if error is None and req.backend == Backend.NIXL and (req.request_id, req.prefill_worker) not in notified:
                 error, writer_done = "the NIXL write's notification did not arrive before the lease ran out", False
             notified.discard((req.request_id, req.prefill_worker))
+            if reply is not None:
+                req.prefill_span.set(prefill_ms=reply.prefill_ms, transfer_ms=reply.transfer_ms,
+                                     bytes=len(req.leased) * self.kv_cache.spec.bytes_per_block(),
+                                     prefill_cached_tokens=reply.num_cached_tokens)  # fmt: skip
+            req.prefill_span.end(error)
             if error is None:
                 self.prefills.delete_lease(req.request_id, req.prefill_worker)
                 req.prefill_ms, req.transfer_ms = reply.prefill_ms, reply.transfer_ms

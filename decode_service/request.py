@@ -31,6 +31,7 @@ from engine.continuation import check_continuation
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from rpc import metrics
 from rpc.convert import logprobs_to_proto
+from rpc.tracing import NO_SPAN, Span
 from rpc.validation import validate_request_id, validate_sampling
 from transfer.backend import LOCAL
 
@@ -93,6 +94,12 @@ class ActiveRequest:
     num_completion_tokens: int = 0  # of its finished choices
     started: set[int] = field(default_factory=set)  # the choices that sent a message
     prompt_entries: list[pb.TokenLogprob] = field(default_factory=list)  # ``prompt_logprobs``, from choice 0
+    span: Span = NO_SPAN  # this call's trace span (``rpc.tracing``); its children are recorded when it ends
+    prefill_span: Span = NO_SPAN  # the prefill call in flight
+    admitted_at: float = 0.0  # when the scheduler gave it blocks
+    num_messages: int = 0
+    num_preemptions: int = 0  # of its finished choices
+    spec_tokens: tuple[int, int] = (0, 0)  # (proposed, accepted) speculative tokens of its finished choices
 
     @property
     def done(self) -> bool:
@@ -123,6 +130,23 @@ class ActiveRequest:
         self.state = state
         metrics.REQUESTS.labels("decode", state.value).inc()
         self.emit(error)
+        self._end_span(state, error)
+
+    def _end_span(self, state: RequestState, error: tuple[grpc.StatusCode, str] | None) -> None:
+        """The call's span ends, with its queue and decode phases recorded from the times kept meanwhile."""
+        span, now = self.span, time.perf_counter()
+        if not span:
+            return
+        self.prefill_span.end("the request ended while its prefill was in flight")
+        span.record("decode.queue", self.received, self.admitted_at or now, admitted=bool(self.admitted_at))
+        if self.first_token_at is not None:
+            span.event("first_token", self.first_token_at, ttft_ms=(self.first_token_at - self.received) * 1e3)
+            span.record("decode.decode", self.first_token_at, self.last_token_at, messages=self.num_messages,
+                        completion_tokens=self.num_completion_tokens, preemptions=self.num_preemptions,
+                        spec_proposed_tokens=self.spec_tokens[0], spec_accepted_tokens=self.spec_tokens[1])  # fmt: skip
+        span.set(state=state.value, cached_prompt_tokens=self.num_cached_tokens, backend=self.backend,
+                 prefill_worker=self.prefill_worker or None)  # fmt: skip
+        span.end(f"{error[0].name}: {error[1]}" if error else None)
 
     def _add_prompt_logprobs(self, msg: pb.GenerateResponse, out: RequestOutput) -> None:
         """A choice's first message carries the prompt's log-probabilities when asked (a continuation's went
@@ -151,6 +175,7 @@ class ActiveRequest:
             for _ in out.new_token_ids:
                 metrics.ITL.observe(gap)
         self.last_token_at = now
+        self.num_messages += 1
         msg = pb.GenerateResponse(request_id=self.public_id, token_ids=out.new_token_ids, text=out.new_text,
                                   index=out.index)  # fmt: skip
         if out.new_logprobs is not None:
@@ -162,6 +187,9 @@ class ActiveRequest:
             msg.finish_reason = out.finish_reason or ""
             self.num_finished += 1
             self.num_completion_tokens += out.num_output_tokens
+            self.num_preemptions += out.num_preemptions
+            proposed, accepted = out.spec_tokens
+            self.spec_tokens = (self.spec_tokens[0] + proposed, self.spec_tokens[1] + accepted)
         if out.finished and self.done:
             msg.usage.prompt_tokens = len(self.prompt)
             msg.usage.completion_tokens = self.num_completion_tokens

@@ -42,6 +42,7 @@ from engine.outputs import StepError
 from kvstore.layout import fingerprint
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+from rpc import tracing
 from rpc.loop import AsyncioThread, Loop
 from security.auth import Security
 from transfer.backend import Backend, Endpoint, nixl_installed
@@ -117,19 +118,26 @@ class DecodeWorker(pb_grpc.DecodeServicer):
     # -- gRPC (event loop) ----------------------------------------------------------------------------
 
     async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
-        if self._drain_deadline is not None:
-            await context.abort(*self._shutdown_error)
+        span = tracing.start("decode.generate", context.invocation_metadata(), worker=self.worker_id,
+                             prompt_tokens=len(request.prompt_token_ids),
+                             resumed_tokens=len(request.resumed_output_token_ids))  # fmt: skip
+        refusal = None
         try:  # members are checked like anyone: the same rules as the router's (rpc.validation)
             prompt, params, continuation = validate_decode_request(request, self.engine)
         except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        if not self.admission.enter():
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"decode worker {self.worker_id} has {self.admission.limit} requests waiting for KV "
-                                "blocks (its queue limit); retry later or add decode workers")  # fmt: skip
+            refusal = (grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if self._drain_deadline is not None:
+            refusal = self._shutdown_error
+        elif refusal is None and not self.admission.enter():
+            refusal = (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"decode worker {self.worker_id} has {self.admission.limit} requests waiting for KV blocks "
+                       "(its queue limit); retry later or add decode workers")  # fmt: skip
+        if refusal is not None:
+            span.end(f"{refusal[0].name}: {refusal[1]}")
+            await context.abort(*refusal)
         req = ActiveRequest(f"{request.request_id[:64] or 'req'}-{uuid.uuid4().hex[:12]}", request.request_id,
                             prompt, params, asyncio.get_running_loop(), request.preferred_prefill_worker,
-                            continuation)  # fmt: skip
+                            continuation, span=span)  # fmt: skip
         self._inbox.put(("add", req))
         ended = False
         try:

@@ -33,6 +33,12 @@ class RequestOutput:
     _num_chars: int = 0
 
     @property
+    def spec_tokens(self) -> tuple[int, int]:
+        """(proposed, accepted) speculative tokens of this choice so far; (0, 0) without speculation."""
+        tracker = self._seq.spec_tracker if self._seq is not None else None
+        return (tracker.num_proposed, tracker.num_accepted) if tracker is not None else (0, 0)
+
+    @property
     def token_ids(self) -> list[int]:
         start = len(self.prompt_token_ids)
         return self._seq.token_ids[start : start + self.num_output_tokens]

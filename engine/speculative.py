@@ -82,6 +82,8 @@ class AcceptanceTracker:
     accepted: list[int] = field(default_factory=list)  # tokens accepted per verify step, the last WINDOW
     paused_steps: int = 0
     backoff: int = FIRST_BACKOFF
+    num_proposed: int = 0  # over the sequence's life (its trace's decode summary)
+    num_accepted: int = 0
 
     def wants_proposals(self) -> bool:
         """Called once per decode step: whether to propose this step."""
@@ -90,7 +92,9 @@ class AcceptanceTracker:
             return False
         return True
 
-    def record(self, num_accepted: int) -> None:
+    def record(self, num_accepted: int, num_proposed: int) -> None:
+        self.num_accepted += num_accepted
+        self.num_proposed += num_proposed
         self.accepted.append(num_accepted)
         if len(self.accepted) < WINDOW:
             return
@@ -184,8 +188,8 @@ class Speculator:
         stats.num_verify_steps += len(seqs)
         stats.num_proposed += int(num_proposed.sum())
         stats.num_accepted += sum(accepted)
-        for seq, a in zip(seqs, accepted, strict=True):
-            seq.spec_tracker.record(a)
+        for seq, a, proposed in zip(seqs, accepted, num_proposed.tolist(), strict=True):
+            seq.spec_tracker.record(a, proposed)
         return accepted
 
 

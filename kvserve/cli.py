@@ -66,9 +66,11 @@ def _up(up: UpSettings) -> None:
     from kvserve.launcher.cluster import launch
     from kvserve.launcher.plan import plan_cluster
     from kvserve.launcher.supervisor import Supervisor
+    from rpc import tracing
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kvserve %(levelname)s %(message)s")
     plan = plan_cluster(up)
+    tracing.setup("launcher", "kvserve-up", up)
     security = _cluster_security(up)
     _warn_of_a_password_on_the_command_line(up.redis_url)
     print(f"kvserve: starting {up.prefill} prefill + {up.decode} decode workers and a router...", flush=True)
@@ -95,6 +97,7 @@ def _up(up: UpSettings) -> None:
         Supervisor(cluster.units()).run(stop)
     finally:
         cluster.stop()
+        tracing.shutdown()
     print("kvserve: cluster stopped", flush=True)
 
 

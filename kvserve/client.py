@@ -7,7 +7,8 @@ Options are ``build_request``'s keywords, structured outputs
 included: ``structured_outputs={"json": schema}`` (or ``regex``, ``choice``, ``grammar``, ``json_object``) or
 OpenAI's ``response_format``. Errors arrive as ``grpc.RpcError`` with the server's
 status code and message. A router started with an API key wants it with every call: ``api_key=``, by
-default ``$KVSERVE_API_KEY``.
+default ``$KVSERVE_API_KEY``. ``traceparent="00-<trace id>-<span id>-01"`` (W3C) makes the request's trace,
+where the cluster traces (``--otlp-traces-endpoint``), a part of the caller's.
 
 ``n=k`` samples k choices of the prompt (computed once): ``stream`` yields their chunks interleaved, each with
 its ``index``, and ``generate`` returns a list of k ``Result``s, by index (with ``n`` unset or 1, one
@@ -124,6 +125,11 @@ def _results(chunks: list[Chunk], n: int | None) -> Result | list[Result]:
     return results
 
 
+def _metadata(api_key: tuple[tuple[str, str], ...], traceparent: str | None) -> tuple[tuple[str, str], ...]:
+    """A call's metadata: the API key, and the caller's W3C ``traceparent`` (its trace continues in ours)."""
+    return api_key + ((("traceparent", traceparent),) if traceparent else ())
+
+
 class Client:
     """A client of the router's public port; ``credentials`` (``grpc.ssl_channel_credentials``) when it serves TLS;
     ``api_key`` (default ``$KVSERVE_API_KEY``) when it wants one."""
@@ -143,8 +149,9 @@ class Client:
         self._metadata = api_key_metadata(api_key)
         self.timeout_s = timeout_s
 
-    def stream(self, prompt: Prompt, **options) -> Iterator[Chunk]:
-        call = self._stub.Generate(build_request(prompt, **options), timeout=self.timeout_s, metadata=self._metadata)
+    def stream(self, prompt: Prompt, traceparent: str | None = None, **options) -> Iterator[Chunk]:
+        call = self._stub.Generate(build_request(prompt, **options), timeout=self.timeout_s,
+                                   metadata=_metadata(self._metadata, traceparent))  # fmt: skip
         for msg in call:
             yield _chunk(msg)
 
@@ -180,8 +187,9 @@ class AsyncClient:
         self._metadata = api_key_metadata(api_key)
         self.timeout_s = timeout_s
 
-    async def stream(self, prompt: Prompt, **options) -> AsyncIterator[Chunk]:
-        call = self._stub.Generate(build_request(prompt, **options), timeout=self.timeout_s, metadata=self._metadata)
+    async def stream(self, prompt: Prompt, traceparent: str | None = None, **options) -> AsyncIterator[Chunk]:
+        call = self._stub.Generate(build_request(prompt, **options), timeout=self.timeout_s,
+                                   metadata=_metadata(self._metadata, traceparent))  # fmt: skip
         async for msg in call:
             yield _chunk(msg)
 

@@ -23,14 +23,21 @@ from pydantic import Field
 
 from engine.config import EngineConfig
 from router.settings import ApiKeySettings, ServedModelSettings, StreamSettings
-from rpc.options import DrainSettings, KVTransportChoice, RegistrySettings, SecuritySettings, ThreadSettings
+from rpc.options import (
+    DrainSettings,
+    KVTransportChoice,
+    RegistrySettings,
+    SecuritySettings,
+    ThreadSettings,
+    TracingSettings,
+)
 from rpc.settings import fields_of, parse_settings, settings_argv
 
 UP_SET_FIELDS = ("gpu_memory_utilization", "shared_kv_name")
 
 
 class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings, ServedModelSettings, ApiKeySettings,
-                 SecuritySettings, EngineConfig):  # fmt: skip
+                 SecuritySettings, TracingSettings, EngineConfig):  # fmt: skip
     """cluster: what kvserve up starts (the options above go to its processes)"""
 
     prefill: int = Field(1, ge=0, description="number of prefill workers")
@@ -71,6 +78,10 @@ class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings
     def decode_argv(self) -> list[str]:
         """The decode workers' own flags given to ``kvserve up``: ``--kv-transport``."""
         return ["--kv-transport", self.kv_transport] if self.kv_transport else []
+
+    def tracing_argv(self) -> list[str]:
+        """``--otlp-traces-endpoint`` and ``--trace-sample-ratio`` as given, for every process."""
+        return settings_argv(self, fields_of(TracingSettings))
 
     def engine_argv(self) -> list[str]:
         """The engine options given to ``kvserve up``, as every worker's flags."""

@@ -46,6 +46,9 @@ class PrefillResult:
     take_ms: float = 0.0  # ``take`` after that step (the whole write, for nixl): part of the hand-off's time
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # when it asked for prompt_logprobs: tokens 1, 2, ...
+    started: float = 0.0  # its batch's start (time.perf_counter): the job waited in the queue until then
+    num_steps: int = 0  # engine steps (chunks) until its prompt was done
+    num_tier_tokens: int = 0  # leading prompt tokens a memory tier loaded
 
 
 def settle(job: PrefillJob, result: PrefillResult | None = None, error: BaseException | None = None) -> None:

@@ -53,7 +53,7 @@ from prefill_service.jobs import LeaseExpired, PrefillJob, PrefillResult, settle
 from prefill_service.request import Refused, validate_prefill_request
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from rpc import metrics
+from rpc import metrics, tracing
 from rpc.convert import logprobs_to_proto
 from rpc.loop import Loop
 from security.auth import Security
@@ -93,6 +93,15 @@ class PrefillWorker(pb_grpc.PrefillServicer):
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         dest = request.destination
+        span = tracing.start("prefill.request", context.invocation_metadata(), worker=self.worker_id,
+                             prompt_tokens=len(request.prompt_token_ids), backend=dest.backend,
+                             destination=dest.worker_id, held_tokens=request.num_cached_tokens)  # fmt: skip
+        with span:
+            return await self._prefill(request, context, span)
+
+    async def _prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext,
+                       span: tracing.Span) -> pb.PrefillResponse:  # fmt: skip
+        dest = request.destination
         try:
             if self._drain_deadline is not None:
                 raise Refused(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.worker_id} is shutting down")
@@ -114,11 +123,17 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         except Exception as err:  # noqa: BLE001 - reported to the caller as the RPC's status
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {err}")
         start, written = time.perf_counter(), list(dest.block_ids)[: checked.num_blocks]
+        span.record("prefill.queue", job.enqueued, result.started)
+        prefilled = start - result.take_ms / 1e3
+        span.record("prefill.compute", result.started, prefilled, steps=result.num_steps,
+                    cached_tokens=result.num_cached_tokens, tier_loaded_tokens=result.num_tier_tokens)  # fmt: skip
         try:
             digest = await transport.finish(request.request_id, written, result.taken)
         except TransferFailed as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"pushing the KV to decode worker {dest.worker_id} "
                                 f"failed: {err}")  # fmt: skip
+        span.record("prefill.handoff", prefilled, time.perf_counter(), backend=dest.backend, blocks=len(written),
+                    bytes=len(written) * self.engine.runner.kv_cache.spec.bytes_per_block())  # fmt: skip
         return pb.PrefillResponse(
             first_token_logprob=logprobs_to_proto([result.first_logprob])[0] if result.first_logprob else None,
             prompt_logprobs=logprobs_to_proto(result.prompt_logprobs or ()),
@@ -227,10 +242,12 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             except Exception as err:  # noqa: BLE001 - this job only
                 settle(job, error=err)
                 self._end_writes(job, "failed")
+        num_steps = 0
         try:
             while pending:
                 for rid in [rid for rid, job in pending.items() if job.cancelled or job.expired]:
                     self._stop(rid, pending.pop(rid))
+                num_steps += 1
                 for out in engine.step():
                     job = pending.pop(out.request_id, None) if out.finished else None
                     if job is None:
@@ -249,7 +266,8 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                     settle(job, PrefillResult(out.token_ids[0], taken, (prefilled - start) * 1e3,
                                               out.num_cached_tokens, (took - prefilled) * 1e3,
                                               out.logprobs[0] if out.logprobs else None,
-                                              out.prompt_logprobs[1:] if out.prompt_logprobs else None))  # fmt: skip
+                                              out.prompt_logprobs[1:] if out.prompt_logprobs else None,
+                                              start, num_steps, out.num_external_tokens))  # fmt: skip
         finally:
             for rid, job in pending.items():
                 self._drop(rid)

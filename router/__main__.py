@@ -24,6 +24,7 @@ from router.limits import FrontDoor, PublicInference, front_door_from_settings
 from router.routing import RoutingWeights
 from router.server import Router
 from router.settings import RouterSettings
+from rpc import tracing
 from rpc.metrics import start_metrics_server
 from rpc.server import add_service, exit_stopped_process, new_server, set_not_serving, start_server
 from rpc.settings import parse_settings, settings_parser
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
                                  settings.route_balance_threshold)  # fmt: skip
     except ValueError as err:
         parser.error(str(err))
+    tracing.setup("router", "router", settings)
     path = resolve_model(settings.model)
     config = ModelConfig.from_dir(path)
     if settings.max_model_len and settings.max_model_len > config.max_context:
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if registry is not None:
             registry.stop()
+        tracing.shutdown()
 
 
 async def serve(router: Router, address: str, public: Security, drain_timeout_s: float,

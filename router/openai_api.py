@@ -148,7 +148,7 @@ async def _serve(router: Router, served: _Served, body: api.CompletionRequest | 
         return _error(grpc.StatusCode.INVALID_ARGUMENT, str(err), "prompt")
     logprobs = protos[0].sampling.HasField("logprobs")
     choices = Choices(chat, TokenText(router.tokenizer), logprobs, echoes, body.n or 1, tools)
-    stream = merged([router.generate(proto) for proto in protos])
+    stream = merged([router.generate(proto, trace_carrier=request.headers) for proto in protos])
     try:
         if not body.stream:
             await _unless_gone(request, collect(stream, choices))

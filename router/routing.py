@@ -17,7 +17,7 @@ their own token ids).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster_state.prefix_index import Held
 from cluster_state.workers import WorkerInfo
@@ -45,6 +45,16 @@ class Choice:
     prefill: str  # worker id, or '' to let the decode worker choose
     reason: str  # "prefix" (the chosen decode worker holds some of the prompt) or "load"
     cached_blocks: int  # of the prompt's full blocks, how many the chosen decode worker holds (any tier)
+    costs: dict[str, float] = field(default_factory=dict)  # each candidate's (decode and prefill workers) cost
+
+    def attributes(self, owners: dict[str, Held], num_blocks: int) -> dict[str, object]:
+        """The decision as a trace span's attributes: each candidate's cost, the chosen workers, why, and what
+        the chosen decode worker holds of the prompt's ``num_blocks`` blocks, by tier."""
+        held = owners.get(self.decode[0].worker_id, _NONE) if self.decode else _NONE
+        return {"candidates": [f"{worker}: {cost:g}" for worker, cost in sorted(self.costs.items())],
+                "decode_worker": self.decode[0].worker_id if self.decode else None,
+                "prefill_worker": self.prefill or None, "reason": self.reason, "prompt_blocks": num_blocks,
+                "cached_blocks_device": held.device, "cached_blocks_host": held.host, "cached_blocks_disk": held.disk}
 
 
 def choose(decode: list[WorkerInfo], prefill: list[WorkerInfo], owners: dict[str, Held], num_blocks: int,
@@ -64,10 +74,11 @@ def choose(decode: list[WorkerInfo], prefill: list[WorkerInfo], owners: dict[str
         return blocks + weights.load_weight * loads[w.worker_id], -w.free_blocks / max(1, w.total_blocks)
 
     ranked = sorted(decode, key=decode_cost)
+    costs = {w.worker_id: decode_cost(w)[0] for w in decode}
     held = owners.get(ranked[0].worker_id, _NONE).total
     reason = "prefix" if held and not by_load else "load"
     if not prefill:
-        return Choice(ranked, "", reason, held)
+        return Choice(ranked, "", reason, held, costs)
     prefill_by_load = _imbalanced([loads[w.worker_id] for w in prefill], weights)
 
     def prefill_cost(w: WorkerInfo) -> tuple:
@@ -75,7 +86,8 @@ def choose(decode: list[WorkerInfo], prefill: list[WorkerInfo], owners: dict[str
         blocks = 0 if prefill_by_load else weights.block_weight * lacking
         return blocks + weights.load_weight * loads[w.worker_id]
 
-    return Choice(ranked, min(prefill, key=prefill_cost).worker_id, reason, held)
+    costs |= {w.worker_id: prefill_cost(w) for w in prefill}
+    return Choice(ranked, min(prefill, key=prefill_cost).worker_id, reason, held, costs)
 
 
 def _imbalanced(loads: list[int], weights: RoutingWeights) -> bool:

@@ -33,7 +33,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import aclosing
 from typing import TypeVar
 
@@ -50,7 +50,7 @@ from router.health import WorkerHealth
 from router.relay import Relayed, Slot
 from router.routing import RoutingWeights, choose
 from router.validation_queue import DEFAULT_MAX_BACKLOG, ValidationBusy, ValidationQueue
-from rpc import metrics
+from rpc import metrics, tracing
 from rpc.convert import sampling_to_proto
 from rpc.streams import cancel_when_stalled
 from security.auth import Security
@@ -112,18 +112,23 @@ class Router(pb_grpc.InferenceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator:
         """The gRPC face of ``generate``: its ``RouteError`` ends the call with that status and message."""
         try:
-            async with aclosing(self.generate(request, _remaining(context))) as stream:
+            stream = self.generate(request, _remaining(context), context.invocation_metadata())
+            async with aclosing(stream):
                 async for msg in cancel_when_stalled(stream, self.stream_idle_timeout_s, f"gRPC {context.peer()}"):
                     yield msg
         except RouteError as err:
             await context.abort(err.code, err.details)
 
-    async def generate(self, request: pb.GenerateRequest, timeout_s: float | None = None
+    async def generate(self, request: pb.GenerateRequest, timeout_s: float | None = None,
+                       trace_carrier: Iterable[tuple[str, str]] | Mapping[str, str] | None = None
                        ) -> AsyncIterator[pb.GenerateResponse]:  # fmt: skip
-        """``_route``, counted in ``kvserve_router_requests_total`` by how it ended."""
+        """``_route``, counted in ``kvserve_router_requests_total`` by how it ended, in a trace span whose parent
+        is the client's ``traceparent`` in ``trace_carrier`` (its gRPC metadata or HTTP headers), if any."""
         status = "OK"
+        span = tracing.start("kvserve.request", trace_carrier, request_id=request.request_id or None,
+                             prompt_kind=request.WhichOneof("prompt"))  # fmt: skip
         try:
-            async with aclosing(self._route(request, timeout_s)) as stream:
+            async with aclosing(self._route(request, timeout_s, span)) as stream:
                 async for msg in stream:
                     yield msg
         except RouteError as err:
@@ -134,23 +139,29 @@ class Router(pb_grpc.InferenceServicer):
             raise
         finally:
             metrics.ROUTER_REQUESTS.labels(status).inc()
+            span.set(status=status)
+            span.end(None if status == "OK" else status)
 
-    async def _route(self, request: pb.GenerateRequest, timeout_s: float | None
+    async def _route(self, request: pb.GenerateRequest, timeout_s: float | None, span: tracing.Span
                      ) -> AsyncIterator[pb.GenerateResponse]:  # fmt: skip
         """Validate, route and relay one public request: the decode worker's messages, the last with
         ``finish_reason``. Every failure is a ``RouteError`` (nothing else escapes), raised before the first
         message when it is the request's fault or no worker could start it. Closing or cancelling the iterator
         cancels the decode call, which frees its blocks: both the gRPC servicer and the HTTP API consume it."""
         received = time.perf_counter()
-        try:
-            prompt, params = await self._validator.validate(request)
-        except ValueError as err:
-            raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-        except ValidationBusy as err:
-            raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from None
-        decode, prefill = await asyncio.gather(self._live("decode"), self._live("prefill"))
-        owners, num_blocks = await asyncio.to_thread(self._prefix_owners, prompt, decode)
-        choice = choose(decode, prefill, owners, num_blocks, self._load, self.weights)  # claimed with no await
+        with span.child("router.validate") as validating:
+            try:
+                prompt, params = await self._validator.validate(request)
+            except ValueError as err:
+                raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+            except ValidationBusy as err:
+                raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from None
+            validating.set(prompt_tokens=len(prompt), n=params.n)
+        with span.child("router.route") as routing:
+            decode, prefill = await asyncio.gather(self._live("decode"), self._live("prefill"))
+            owners, num_blocks = await asyncio.to_thread(self._prefix_owners, prompt, decode)
+            choice = choose(decode, prefill, owners, num_blocks, self._load, self.weights)  # claimed with no await
+            routing.set(**choice.attributes(owners, num_blocks))
         targets = choice.decode[: self.max_attempts]
         if not targets:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available; is the cluster up?")
@@ -163,8 +174,10 @@ class Router(pb_grpc.InferenceServicer):
             for worker in targets:
                 with self._claim(worker.worker_id):
                     relayed.resume(call_request)
+                    calling = span.child("router.decode_call", decode_worker=worker.worker_id,
+                                         resumed_tokens=len(relayed.tokens))  # fmt: skip
                     call = pb_grpc.DecodeStub(self._channel(worker)).Generate(
-                        call_request, timeout=timeout_s, metadata=self.security.metadata()
+                        call_request, timeout=timeout_s, metadata=self.security.metadata() + calling.metadata()
                     )
                     try:
                         async for msg in call:
@@ -173,8 +186,12 @@ class Router(pb_grpc.InferenceServicer):
                             yield msg
                         return
                     except grpc.RpcError as err:
+                        calling.end(err.code().name)
                         errors.append(self._failed(err, worker, relayed, params.n))
+                        if relayed.tokens:
+                            span.event("migrated", from_worker=worker.worker_id, tokens=len(relayed.tokens))
                     finally:
+                        calling.end()
                         call.cancel()  # a no-op once it ended; otherwise the client left, and its blocks are freed
         # only when every worker tried was full is it the client's signal to slow down (HTTP 429)
         full = all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _ in errors)

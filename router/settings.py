@@ -12,7 +12,7 @@ from engine.config import ModelSettings
 from router.limits import DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES
 from router.routing import RoutingWeights
 from router.validation_queue import DEFAULT_MAX_BACKLOG
-from rpc.options import RegistrySettings, SecuritySettings, ServeSettings
+from rpc.options import RegistrySettings, SecuritySettings, ServeSettings, TracingSettings
 from rpc.settings import Settings
 
 
@@ -101,7 +101,7 @@ class FrontDoorSettings(ApiKeySettings):
 
 
 class RouterSettings(ServeSettings, ModelSettings, ServedModelSettings, RegistrySettings, SecuritySettings,
-                     StreamSettings, RoutingSettings, FrontDoorSettings):  # fmt: skip
+                     StreamSettings, RoutingSettings, FrontDoorSettings, TracingSettings):  # fmt: skip
     """router: its public doors"""
 
     max_model_len: int | None = Field(

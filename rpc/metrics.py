@@ -49,6 +49,9 @@ ROUTER_REFUSED = Counter("kvserve_router_refused", "Requests the router's front 
                          "them: unauthenticated (API key), too_large (HTTP body) or busy (concurrency limit)",
                          ["reason"])  # fmt: skip
 
+TRACE_SPANS_DROPPED = Counter("kvserve_trace_spans_dropped", "Spans the OTLP collector did not take (unreachable or "
+                              "refusing); requests go on untraced")  # fmt: skip
+
 _STATE = Gauge("kvserve_worker_state", "A worker's queue depths and KV blocks now", ["role", "field"])
 
 

@@ -38,6 +38,19 @@ class ServeSettings(DrainSettings):
     port: int = Field(0, ge=0, le=65535, description="the gRPC port")
 
 
+class TracingSettings(Settings):
+    """tracing: OpenTelemetry (see rpc/tracing.py)"""
+
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="send this process's spans over OTLP/gRPC to this collector (http://HOST:4317; https:// for "
+        "TLS); none: no tracing, at no cost",
+    )
+    trace_sample_ratio: float = Field(
+        1.0, ge=0, le=1, description="the share of requests traced when the client sent no traceparent"
+    )
+
+
 class RegistrySettings(Settings):
     """registry"""
 

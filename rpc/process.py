@@ -15,7 +15,7 @@ from cluster_state.publisher import PrefixPublisher
 from cluster_state.registry import Registry
 from cluster_state.workers import WorkerInfo, local_host_id
 from engine import LLMEngine
-from rpc import metrics
+from rpc import metrics, tracing
 from rpc.loop import AsyncioThread, Loop
 from rpc.server import add_service, new_server, set_not_serving, start_server
 from rpc.threads import set_compute_threads
@@ -38,7 +38,7 @@ class Worker(Protocol):
 def prepare_worker(settings: WorkerSettings, role: str) -> tuple[str, Security, Registry | None]:
     """What both roles do before loading a model: logging, credentials (exit with the reason when they are
     missing or wrong), the worker id (with a cluster certificate: the name it gives, which peers verify),
-    the registry client and this worker's share of the cores."""
+    tracing (``rpc.tracing``), the registry client and this worker's share of the cores."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
     try:
         security = security_from_settings(settings, role)
@@ -49,6 +49,7 @@ def prepare_worker(settings: WorkerSettings, role: str) -> tuple[str, Security, 
         sys.exit(f"{role} worker: --worker-id {settings.worker_id} differs from the name in its certificate "
                  f"({named}), which peers check")  # fmt: skip
     worker_id = settings.worker_id or named or f"{role}-{uuid.uuid4().hex[:8]}"
+    tracing.setup(role, worker_id, settings)
     registry = Registry(settings.redis_url, security=security) if settings.redis_url else None
     compute_threads(settings, registry, worker_id)
     return worker_id, security, registry
@@ -122,4 +123,5 @@ def serve(worker: Worker, services: dict[str, object], aio: AsyncioThread, secur
     for cleanup in cleanups:
         cleanup()
     aio.stop()
+    tracing.shutdown()
     log.info("stopped")

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pydantic import Field
 
 from engine.config import EngineConfig
-from rpc.options import RegistrySettings, SecuritySettings, ServeSettings, ThreadSettings
+from rpc.options import RegistrySettings, SecuritySettings, ServeSettings, ThreadSettings, TracingSettings
 
 
-class WorkerSettings(ServeSettings, RegistrySettings, ThreadSettings, SecuritySettings, EngineConfig):
+class WorkerSettings(ServeSettings, RegistrySettings, ThreadSettings, SecuritySettings, TracingSettings, EngineConfig):
     """worker: what both worker roles take"""
 
     worker_id: str | None = Field(None, description="this worker's name; none: its certificate's, else a random one")

@@ -13,6 +13,7 @@
 * ``load``: an open-loop load test of a running cluster through its public API (``kvserve.bench.loadgen``
   is its engine, which ``scripts/reliability.py`` drives too);
 * ``sampling``: what logprobs, penalties and the other per-request sampling features cost per output token;
+* ``tracing``: what OpenTelemetry tracing costs through a cluster, on and off;
 * ``kernels``: the Triton kernels against PyTorch's SDPA on a CUDA GPU, and the decode tile-config sweep
   (``kernel_sweep``, on ``kernel_inputs``).
 
@@ -22,4 +23,5 @@
 """
 
 # module: the name with "_" for "-"
-BENCHES = ("offline", "serve", "transfer", "cuda_ipc", "kv-curve", "tiers", "ring", "load", "kernels", "sampling")
+BENCHES = ("offline", "serve", "transfer", "cuda_ipc", "kv-curve", "tiers", "ring", "load", "kernels", "sampling",
+           "tracing")

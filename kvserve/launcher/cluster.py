@@ -51,6 +51,7 @@ from kvserve.launcher.redis_server import EmbeddedRedis
 from kvserve.launcher.scratch import HeldDir, cluster_shm_dir, hold_dir, remove_dead_clusters, remove_if_abandoned
 from kvserve.settings import UpSettings
 from kvstore.shared_pool import SHM_DIR_ENV, remove_stale_pools
+from rpc import tracing
 from rpc.options import REDIS_URL_ENV, SecuritySettings
 from rpc.requests import API_KEY_ENV
 from rpc.settings import env_name
@@ -174,6 +175,7 @@ def launch(plan: ClusterPlan, security: Security | None = None, startup_timeout_
     if up.log_dir:
         Path(up.log_dir).mkdir(parents=True, exist_ok=True)
     cluster = _prepare(plan, security)
+    span = tracing.start("launcher.start", decode_workers=up.decode, prefill_workers=up.prefill)
     try:
         env = _child_env(cluster.shm_dir, cluster.redis_url)
         for child in plan.children:
@@ -187,6 +189,7 @@ def launch(plan: ClusterPlan, security: Security | None = None, startup_timeout_
                                            cluster.credentials.env(child.role, child_env),
                                            public_security(list(plan.public_argv)) if router else cluster.security,
                                            up.log_dir, metrics))  # fmt: skip
+            span.event("started", role=child.role, name=child.name, pid=cluster.children[-1].pid)
         deadline = time.monotonic() + startup_timeout_s
         for child in cluster.children:
             while not child.answers(timeout_s=1.0):
@@ -194,9 +197,12 @@ def launch(plan: ClusterPlan, security: Security | None = None, startup_timeout_
                     raise RuntimeError(f"{child.role} {child.name} {status} during start-up")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{child.name} did not become healthy within {startup_timeout_s:.0f} s")
+            span.event("serving", role=child.role, name=child.name)
         _wait_registered(cluster.redis_url, cluster.security, plan.worker_ids, deadline)
+        span.end()
         return cluster
-    except BaseException:
+    except BaseException as err:
+        span.end(type(err).__name__)
         cluster.stop()
         raise
 

@@ -77,7 +77,8 @@ def plan_cluster(up: UpSettings, extra: ExtraArgv | None = None, host: str = "12
                                up.decode)  # fmt: skip
     shared_argv, public_argv = split_public_tls(up.security_argv())
     worker_argv = ["--threads", str(threads_per_worker(up.prefill + up.decode, up.threads)),
-                   "--drain-timeout", str(up.drain_timeout), *shared_argv, *up.engine_argv()]  # fmt: skip
+                   "--drain-timeout", str(up.drain_timeout), *shared_argv, *up.tracing_argv(),
+                   *up.engine_argv()]  # fmt: skip
     children = []
     for role, count, offset, role_argv in (("decode", up.decode, DECODE_PORTS, [*up.decode_argv(), *extra.decode]),
                                            ("prefill", up.prefill, PREFILL_PORTS, extra.prefill)):  # fmt: skip
@@ -89,7 +90,7 @@ def plan_cluster(up: UpSettings, extra: ExtraArgv | None = None, host: str = "12
             children.append(ChildPlan(name, role, port, argv, port + METRICS_PORTS))
     router = (sys.executable, "-m", "router", "--host", host, "--port", str(up.port), "--http-port", str(up.http_port),
               "--drain-timeout", str(up.drain_timeout), *settings_argv(up, fields_of(ModelSettings)), *shared_argv,
-              *public_argv, *up.router_argv(), *extra.router)  # fmt: skip
+              *public_argv, *up.tracing_argv(), *up.router_argv(), *extra.router)  # fmt: skip
     children.append(ChildPlan("router", "router", up.port, router, up.http_port))
     return ClusterPlan(up, host, tuple(children), tuple(public_argv))
 

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from rpc import tracing
+
 log = logging.getLogger(__name__)
 
 
@@ -140,6 +142,8 @@ class Supervisor:
             track.state, track.since, track.start_failures_in_a_row = State.UP, now, 0
             log.info("%s %s (pid %s) serves again, %.1f s after it died", unit.role, unit.name, unit.pid,
                      now - track.died_at)  # fmt: skip
+            with tracing.start("launcher.restart", role=unit.role, name=unit.name, pid=unit.pid) as span:
+                span.event("serving", down_s=now - track.died_at)
         elif now - track.since > self.policy.startup_timeout_s:
             log.warning("%s %s (pid %s) did not answer within %.0f s of its start; killing it", unit.role,
                         unit.name, unit.pid, self.policy.startup_timeout_s)  # fmt: skip
@@ -161,6 +165,8 @@ class Supervisor:
                       pid, status, track.start_failures_in_a_row)  # fmt: skip
             return
         delay = self.policy.delay_s(track.deaths_in_a_row)
+        with tracing.start("launcher.death", role=unit.role, name=unit.name, pid=pid) as span:
+            span.event("died", status=status, restart_in_s=delay, deaths_in_a_row=track.deaths_in_a_row)
         track.state, track.since, track.restart_at = State.WAITING, now, now + delay
         log.warning("%s %s (pid %s) %s; restarting it in %.1f s", unit.role, unit.name, pid, status, delay)
 

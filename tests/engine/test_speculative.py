@@ -111,16 +111,17 @@ def test_a_sequence_whose_guesses_fail_stops_proposing_and_tries_again_later():
     tracker = AcceptanceTracker()
     for _ in range(WINDOW):
         assert tracker.wants_proposals()
-        tracker.record(0)
+        tracker.record(0, 4)
     assert [tracker.wants_proposals() for _ in range(FIRST_BACKOFF)] == [False] * FIRST_BACKOFF
     assert tracker.wants_proposals()  # tries again; a second failed window pauses it twice as long
     for _ in range(WINDOW):
-        tracker.record(0)
+        tracker.record(0, 4)
     assert tracker.paused_steps == 2 * FIRST_BACKOFF
     tracker.paused_steps = 0
     for _ in range(WINDOW):
-        tracker.record(3)
+        tracker.record(3, 4)
     assert tracker.paused_steps == 0 and tracker.backoff == FIRST_BACKOFF  # a window that pays resets it
+    assert (tracker.num_proposed, tracker.num_accepted) == (12 * WINDOW, 3 * WINDOW)  # the trace's summary
 
 
 # -- the engine: the same tokens with speculation on and off -----------------------------------------------
