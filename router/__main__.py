@@ -25,7 +25,7 @@ from router.routing import RoutingWeights
 from router.server import Router
 from router.settings import RouterSettings
 from rpc import tracing
-from rpc.metrics import start_metrics_server
+from rpc.metrics import export_registry_health, start_metrics_server
 from rpc.server import add_service, exit_stopped_process, new_server, set_not_serving, start_server
 from rpc.settings import parse_settings, settings_parser
 from security.auth import Security, security_from_settings, tls_files
@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
                      f"{config.max_context} tokens")  # fmt: skip
     max_context = settings.max_model_len or config.max_context
     registry = Registry(settings.redis_url, security=security) if settings.redis_url else None
+    if registry is not None:
+        export_registry_health("router", registry)
     tokenizer = None if settings.skip_tokenizer_init else Tokenizer(path)
     try:
         router = Router(tokenizer, config.vocab_size, max_context, security, registry,

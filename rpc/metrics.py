@@ -4,7 +4,8 @@ Workers serve ``/metrics`` on their own ``--metrics-port`` (``start_metrics_serv
 its HTTP port, or on its own ``--metrics-port`` when given. Counters and histograms are updated where things
 happen (off the model's critical path: a histogram observation is about a microsecond); gauges that mirror a
 worker's state (queue depths, KV blocks) are read at scrape time from the ``load`` function the worker
-registers, so nothing updates them per step.
+registers, so nothing updates them per step; so is ``kvserve_registry_up``, from the outage state of the
+process's Redis link (``export_registry_health``: no Redis call of its own).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from cluster_state.registry import Registry
     from engine import LLMEngine
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
@@ -53,6 +55,8 @@ TRACE_SPANS_DROPPED = Counter("kvserve_trace_spans_dropped", "Spans the OTLP col
                               "refusing); requests go on untraced")  # fmt: skip
 
 _STATE = Gauge("kvserve_worker_state", "A worker's queue depths and KV blocks now", ["role", "field"])
+_REGISTRY_UP = Gauge("kvserve_registry_up", "1 while this process's last Redis call (a worker's heartbeat, the "
+                     "router's registry reads) succeeded, 0 while Redis is unreachable", ["role"])  # fmt: skip
 
 
 def export_state(role: str, load: Callable[[], dict[str, int]], engine: LLMEngine) -> None:
@@ -76,6 +80,12 @@ def export_state(role: str, load: Callable[[], dict[str, int]], engine: LLMEngin
         REGISTRY.register(_TierCounts(role, engine.tiers.stats))
     if engine.speculator is not None:
         REGISTRY.register(_SpecCounts(role, engine.speculator.stats))
+
+
+def export_registry_health(role: str, registry: Registry) -> None:
+    """Expose ``kvserve_registry_up{role}``, read at scrape time from ``registry.redis_down``: a worker's heartbeat
+    calls Redis every ``ttl_s / 3``, so its value is at most that old; the router's dates from its last request."""
+    _REGISTRY_UP.labels(role).set_function(lambda: 0 if registry.redis_down else 1)
 
 
 class _PreemptionCount(Collector):

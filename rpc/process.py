@@ -84,6 +84,7 @@ def serve(worker: Worker, services: dict[str, object], aio: AsyncioThread, secur
     log.info("%s %s: metrics on http://%s:%d/metrics", info.role, info.worker_id, settings.host, metrics_port)
     publisher = None
     if registry is not None:
+        metrics.export_registry_health(info.role, registry)
         registry.register(info)
         # the prefix index: the loop hands its engine's block events over, a thread of their own applies them
         publisher = PrefixPublisher(registry.prefix_index, info.worker_id, worker.engine.held_block_hashes)

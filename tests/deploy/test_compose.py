@@ -1,5 +1,6 @@
 """docker-compose.yml: compose accepts it, Prometheus scrapes what it runs, and it stays up where users deploy
-it (restarts, gRPC healthchecks, no shared-memory pool, ports on 127.0.0.1, a private token file)."""
+it (restarts, gRPC healthchecks, no shared-memory pool, ports on 127.0.0.1, a private token file). Its
+``observability`` profile (Grafana, Jaeger) is checked as configuration only: its images are not pulled here."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def _flag(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
 
 
-def test_docker_compose_config_validates_and_publishes_on_localhost_only():
+def _compose_config(*options: str) -> dict:
+    """The services of ``docker compose [OPTIONS] config``: what compose itself makes of the file."""
     compose = next((c for c in (["docker", "compose"], ["docker-compose"])
                     if shutil.which(c[0]) and subprocess.run([*c, "version"], capture_output=True).returncode == 0),
                    None)  # fmt: skip
@@ -44,15 +46,29 @@ def test_docker_compose_config_validates_and_publishes_on_localhost_only():
         token.write_text("KVSERVE_CLUSTER_TOKEN=compose-config-test\n")
     try:
         env = {**os.environ, "KVSERVE_PUBLISH_ADDRESS": ""}  # unset or empty: the default, 127.0.0.1
-        result = subprocess.run([*compose, "-f", str(ROOT / "docker-compose.yml"), "config"],
+        result = subprocess.run([*compose, *options, "-f", str(ROOT / "docker-compose.yml"), "config"],
                                 capture_output=True, text=True, cwd=ROOT, env=env)  # fmt: skip
     finally:
         if made:
             token.unlink()
     assert result.returncode == 0, result.stderr
-    services = yaml.safe_load(result.stdout)["services"]
-    published = [port for service in services.values() for port in service.get("ports", [])]
-    assert len(published) == 3 and all(str(port).startswith("127.0.0.1:") for port in published), published
+    return yaml.safe_load(result.stdout)["services"]
+
+
+def _published(services: dict) -> list[str]:
+    """Published ports as ``HOST_IP:PORT:TARGET...``: v1 prints them so, v2 in the long syntax (a mapping)."""
+    return [f"{port.get('host_ip', '')}:{port['published']}:{port['target']}" if isinstance(port, dict) else str(port)
+            for service in services.values() for port in service.get("ports", [])]  # fmt: skip
+
+
+def test_docker_compose_config_validates_and_publishes_on_localhost_only():
+    # v2 leaves a service of an inactive profile out of `config`; v1 lists it, with its profiles
+    default = {name: s for name, s in _compose_config().items() if not s.get("profiles")}
+    assert len(_published(default)) == 3 and all(p.startswith("127.0.0.1:") for p in _published(default))
+    observability = _compose_config("--profile", "observability")
+    published = _published(observability)
+    assert {"grafana", "jaeger"} <= observability.keys() and len(published) == 5, published
+    assert all(port.startswith("127.0.0.1:") for port in published), published
 
 
 def test_prometheus_scrapes_every_process_on_its_metrics_port():
@@ -182,3 +198,66 @@ def test_the_image_takes_a_cpu_torch_by_default_and_runs_as_a_non_root_user():
     assert users and users[-1].split(":")[0] not in ("root", "0")
     assert "[dev]" not in dockerfile and "--no-cache-dir" not in dockerfile and "PIP_NO_CACHE_DIR=1" in dockerfile
     # what the build context holds and keeps out: tests/deploy/test_docker_context.py
+
+
+# ---- the `observability` profile: Grafana and a trace backend, config-checked only (no image is pulled here) ----
+
+OBSERVABILITY = ("grafana", "jaeger")
+
+
+def _mounts(service: dict) -> dict[str, Path]:
+    """A service's bind mounts, container path -> path in this repository."""
+    return {container: ROOT / host for host, container, *_ in (v.split(":") for v in service["volumes"])}
+
+
+def test_the_observability_services_start_only_under_their_profile():
+    services = _compose()["services"]
+    profiled = {name: s["profiles"] for name, s in services.items() if s.get("profiles")}
+    assert profiled == dict.fromkeys(OBSERVABILITY, ["observability"])
+    default = {name for name in services if name not in profiled}
+    assert default == {"certs", "redis", "decode", "prefill", "router", "prometheus"}  # what `up` starts, as before
+    for name in default:  # a default service depending on a profiled one would pull it into a plain `up`
+        assert not set(services[name].get("depends_on", [])) & set(OBSERVABILITY), name
+
+
+def test_grafana_provisions_prometheus_and_the_dashboard_from_the_repository():
+    services = _compose()["services"]
+    mounts = _mounts(services["grafana"])
+    assert all(path.exists() for path in mounts.values()), mounts
+    provisioned = mounts["/etc/grafana/provisioning/datasources"]
+    sources = [s for f in sorted(provisioned.glob("*.yml")) for s in yaml.safe_load(f.read_text())["datasources"]]
+    prometheus_port = services["prometheus"]["ports"][0].rsplit(":", 1)[1]
+    jaeger_ui_port = services["jaeger"]["ports"][0].rsplit(":", 1)[1]
+    by_type = {s["type"]: s for s in sources}
+    assert len(by_type) == len(sources)  # one of each: the dashboard's ${datasource} finds the only Prometheus
+    assert by_type["prometheus"]["url"] == f"http://prometheus:{prometheus_port}" and by_type["prometheus"]["isDefault"]
+    assert by_type["jaeger"]["url"] == f"http://jaeger:{jaeger_ui_port}"
+    providers = [p for f in sorted(mounts["/etc/grafana/provisioning/dashboards"].glob("*.yml"))
+                 for p in yaml.safe_load(f.read_text())["providers"]]  # fmt: skip
+    [provider] = providers
+    assert provider["type"] == "file"
+    assert mounts[provider["options"]["path"] + "/kvserve.json"] == ROOT / "deploy/observability/grafana/kvserve.json"
+    assert {"prometheus", "jaeger"} <= set(services["grafana"]["depends_on"])
+    for name in ("prometheus", "jaeger"):  # on a network with each service it asks
+        assert set(services["grafana"]["networks"]) & set(services[name]["networks"]), name
+
+
+def test_the_trace_backend_takes_otlp_on_4317_from_the_kvserve_containers_only():
+    services = _compose()["services"]
+    jaeger = services["jaeger"]
+    assert jaeger["image"].startswith("jaegertracing/jaeger:2.")  # v2: the all-in-one takes OTLP itself
+    assert _flag(jaeger["command"], "--set") == "receivers.otlp.protocols.grpc.endpoint=0.0.0.0:4317"
+    for name in KVSERVE_SERVICES:
+        assert "internal" in services[name]["networks"] and "internal" in jaeger["networks"], name
+    assert [port.rsplit(":", 1)[1] for port in jaeger["ports"]] == ["16686"]  # the UI; OTLP is not published
+
+
+def test_prometheus_finds_the_alert_rules_where_its_config_names_them():
+    prometheus = _compose()["services"]["prometheus"]
+    [config_file] = [arg.removeprefix("--config.file=") for arg in prometheus["command"] if "--config.file=" in arg]
+    config_dir = Path(config_file).parent
+    mounts = _mounts(prometheus)
+    rule_files = yaml.safe_load((ROOT / "prometheus.yml").read_text())["rule_files"]
+    assert rule_files == ["deploy/observability/prometheus/alerts.yml"]
+    for rule_file in rule_files:  # relative to the config file, there and here
+        assert mounts[str(config_dir / rule_file)] == ROOT / rule_file and (ROOT / rule_file).is_file()

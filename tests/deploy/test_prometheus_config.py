@@ -1,29 +1,21 @@
 """The shipped Prometheus config (``prometheus.yml``, for the ``prom/prometheus:v3`` image that
-docker-compose.yml pins) is one that Prometheus loads: ``promtool check config`` accepts it."""
+docker-compose.yml pins) is one that Prometheus loads: ``promtool check config`` accepts it and the alert rules
+it names (their own tests: test_alert_rules.py)."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import yaml
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _promtool() -> str:
-    found = shutil.which("promtool") or shutil.which("promtool", path=str(Path(sys.executable).parent))
-    assert found, "promtool is not installed: `make install` unpacks it from Debian's prometheus package"
-    return found
+from observability import ROOT, RULES, promtool
 
 
-def test_promtool_accepts_the_shipped_prometheus_config(tmp_path):
-    result = subprocess.run([_promtool(), "check", "config", str(ROOT / "prometheus.yml")], capture_output=True,
+def test_promtool_accepts_the_shipped_prometheus_config_and_the_rules_it_loads(tmp_path):
+    result = subprocess.run([promtool(), "check", "config", str(ROOT / "prometheus.yml")], capture_output=True,
                             text=True)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout + result.stderr
+    assert f"Checking {RULES}\n  SUCCESS" in result.stdout + result.stderr  # rule_files: the alert rules, checked
 
 
 def test_promtool_refuses_a_broken_config(tmp_path):
@@ -32,7 +24,7 @@ def test_promtool_refuses_a_broken_config(tmp_path):
     del config["scrape_configs"][0]["job_name"]
     broken = tmp_path / "prometheus.yml"
     broken.write_text(yaml.safe_dump(config))
-    result = subprocess.run([_promtool(), "check", "config", str(broken)], capture_output=True, text=True)
+    result = subprocess.run([promtool(), "check", "config", str(broken)], capture_output=True, text=True)
     assert result.returncode != 0 and "job_name" in result.stdout + result.stderr
 
 

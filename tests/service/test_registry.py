@@ -11,11 +11,13 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from prometheus_client import REGISTRY
 from waiting import wait_until
 
 from cluster_state.registry import Registry
 from cluster_state.workers import WorkerInfo
 from kvserve.launcher.redis_server import EmbeddedRedis
+from rpc import metrics
 from security.auth import Security
 
 SECURITY = Security(token="registry-test-token")
@@ -242,6 +244,29 @@ def test_killed_redis_restarted_empty_relearns_the_worker_and_resyncs(caplog: py
         assert (relearned.fingerprint, relearned.free_blocks, relearned.total_blocks) == ("fp", 5, 8)
         assert reg.prefix_index.owners(["h0"]) == {"d0": 1}
         assert not reg.redis_down
+    finally:
+        reg.stop()
+        server.stop()
+
+
+def test_registry_up_is_0_while_the_heartbeats_fail_and_1_once_redis_answers_again() -> None:
+    """``kvserve_registry_up`` (the series of the KvserveRedisDown alert) reads the heartbeat's Redis link at scrape
+    time: no Redis call of its own."""
+    server = EmbeddedRedis()
+    reg = Registry(server.url, security=SECURITY, ttl_s=1.0)
+    metrics.export_registry_health("decode", reg)
+
+    def scraped() -> float | None:
+        return REGISTRY.get_sample_value("kvserve_registry_up", {"role": "decode"})
+
+    try:
+        reg.register(_worker("d0"))
+        reg.start_heartbeat(dict, interval_s=0.1)
+        assert scraped() == 1
+        os.kill(server.pid, signal.SIGKILL)
+        wait_until(lambda: scraped() == 0, timeout_s=2.0)  # the next heartbeat fails
+        server.restart()
+        wait_until(lambda: scraped() == 1, timeout_s=7.0)  # a probe after the backoff succeeds
     finally:
         reg.stop()
         server.stop()
