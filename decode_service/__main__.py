@@ -1,7 +1,10 @@
-"""``python -m decode_service [--port 50061] [--redis-url URL] [--threads N] [security flags] [engine options]``
+"""``python -m decode_service [--port 50061] [--redis-url URL] [--threads N] [security flags] [engine options]
+[--config FILE]``
 
-Every flag is also the environment variable ``KVSERVE_<FLAG>`` (``--max-waiting``: ``KVSERVE_MAX_WAITING``);
-a flag wins over its variable (``decode_service.settings``, ``rpc.settings``).
+Every flag is also the environment variable ``KVSERVE_<FLAG>`` (``--max-waiting``: ``KVSERVE_MAX_WAITING``)
+and a key of the ``--config`` file's ``decode`` section (engine options: of its top level too); a flag wins
+over its variable, which wins over the file (``decode_service.settings``, ``rpc.settings``,
+``engine.config_file``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from rpc.worker_options import WORKER_SET_FIELDS
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(DecodeSettings, argv, "python -m decode_service", __doc__, WORKER_SET_FIELDS)
+    settings = parse_settings(DecodeSettings, argv, "python -m decode_service", __doc__, WORKER_SET_FIELDS, "decode")
     worker_id, security, registry = prepare_worker(settings, "decode")
     engine = LLMEngine(settings.engine_config(shared_kv_name=None if settings.no_shm else worker_id))
     aio = AsyncioThread()

@@ -14,7 +14,8 @@ class LLM:
     """Runs a whole list of prompts through the continuous-batching engine and returns them in order.
 
     ``LLM(model="default", dtype="auto", block_size=16, num_blocks=None, max_num_seqs=256,
-    max_num_batched_tokens=4096, ...)``: any ``EngineConfig`` field may be passed.
+    max_num_batched_tokens=4096, ...)``: any ``EngineConfig`` field may be passed; ``LLM(**load_config(FILE))``
+    takes them from the configuration file the cluster's processes read (``engine.config_file``).
     """
 
     def __init__(self, model: str = "default", **engine_options) -> None:

@@ -11,7 +11,11 @@ it shares with its children on by walking their models (``rpc.settings.settings_
   (``ServedModelSettings``) and the stream options (``StreamSettings``);
 * the decode workers get ``--kv-transport``;
 * security: ``--insecure-internal`` every child, ``--tls-*`` the router only (``security.cluster_tls``); the
-  token and the API key go through the environment, never a command line.
+  token and the API key go through the environment, never a command line;
+* ``--config FILE`` (``engine.config_file``): kvserve up reads its top level and its ``up`` section, and
+  passes the file itself on to every child, which reads the top level and its own section. So what kvserve up
+  took from the file's top level is not passed on as a flag (a child's section may override it there); what
+  it took from its ``up`` section is, as if typed on its command line.
 """
 
 from __future__ import annotations
@@ -101,7 +105,8 @@ class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings
 
 
 def parse_up(argv: Sequence[str]) -> UpSettings:
-    """``kvserve up``'s settings from its flags, its ``KVSERVE_*`` variables and the defaults; a flag it does not
-    know ends the program as it ends ``kvserve up`` (status 2). The CLI reads its command line so, and so does a
-    program that starts a cluster itself (``kvserve.launcher.cluster.start_cluster``)."""
-    return parse_settings(UpSettings, list(argv), "kvserve up", __doc__, UP_SET_FIELDS)
+    """``kvserve up``'s settings from its flags, its ``KVSERVE_*`` variables, its ``--config`` file and the
+    defaults; a flag it does not know, or a key of the file, ends the program as it ends ``kvserve up`` (status
+    2). The CLI reads its command line so, and so does a program that starts a cluster itself
+    (``kvserve.launcher.cluster.start_cluster``)."""
+    return parse_settings(UpSettings, list(argv), "kvserve up", __doc__, UP_SET_FIELDS, "up")

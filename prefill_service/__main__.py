@@ -1,7 +1,10 @@
-"""``python -m prefill_service [--port 50071] [--redis-url URL] [--threads N] [security flags] [engine options]``
+"""``python -m prefill_service [--port 50071] [--redis-url URL] [--threads N] [security flags] [engine options]
+[--config FILE]``
 
-Every flag is also the environment variable ``KVSERVE_<FLAG>`` (``--max-wait-ms``: ``KVSERVE_MAX_WAIT_MS``);
-a flag wins over its variable (``prefill_service.settings``, ``rpc.settings``).
+Every flag is also the environment variable ``KVSERVE_<FLAG>`` (``--max-wait-ms``: ``KVSERVE_MAX_WAIT_MS``)
+and a key of the ``--config`` file's ``prefill`` section (engine options: of its top level too); a flag wins
+over its variable, which wins over the file (``prefill_service.settings``, ``rpc.settings``,
+``engine.config_file``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from rpc.worker_options import WORKER_SET_FIELDS
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(PrefillSettings, argv, "python -m prefill_service", __doc__, WORKER_SET_FIELDS)
+    settings = parse_settings(PrefillSettings, argv, "python -m prefill_service", __doc__, WORKER_SET_FIELDS,
+                              "prefill")  # fmt: skip
     worker_id, security, registry = prepare_worker(settings, "prefill")
     # A prefill worker's requests end after their first token: it never runs a decode step, so capturing
     # decode CUDA graphs would only cost start-up time and GPU memory.

@@ -1,4 +1,5 @@
-"""``python -m router --port 50051 [--http-port 8000] [--redis-url URL] [--decode-address HOST:PORT ...]``
+"""``python -m router --port 50051 [--http-port 8000] [--redis-url URL] [--decode-address HOST:PORT ...]
+[--config FILE]``
 
 Serves ``kvserve.v1.Inference``, health checking and reflection on one port, and the OpenAI-compatible HTTP
 API (``router.openai_api``) on ``--http-port`` (0: none), both on one event loop and both with TLS when
@@ -6,7 +7,9 @@ API (``router.openai_api``) on ``--http-port`` (0: none), both on one event loop
 concurrency). Prometheus ``/metrics`` is on the HTTP port, or on ``--metrics-port`` when given. The router
 calls the decode workers' internal service as a member of role ``router`` (``security.auth``): with its cluster
 certificate (``--cluster-certs``) over mutual TLS, else with its credential's call token; ``--tls-*`` serve
-its public port only (and its calls too, without ``--cluster-certs``).
+its public port only (and its calls too, without ``--cluster-certs``). Every option is also a ``KVSERVE_*``
+variable and a key of the ``--config`` file's ``router`` section (``model``, ``skip_tokenizer_init`` and
+``max_model_len``: of its top level too), in that order of precedence after the flag (``engine.config_file``).
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ log = logging.getLogger("router")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = settings_parser(RouterSettings, "python -m router", __doc__)
-    settings = parse_settings(RouterSettings, argv, parser.prog, __doc__)
+    parser = settings_parser(RouterSettings, "python -m router", __doc__, section="router")
+    settings = parse_settings(RouterSettings, argv, parser.prog, __doc__, section="router")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     try:
         security = security_from_settings(settings, "router")

@@ -8,6 +8,12 @@ worker *i* on ``port + 10 + i``, prefill worker *i* on ``port + 30 + i``, each w
 and ``--gpu-memory-utilization``, their share of the GPU's total memory, since every worker runs on the same GPU
 (``gpu_memory_shares``; ignored on the CPU). What the options of ``UpSettings`` become for each child is
 ``kvserve.settings``'s docstring.
+
+With ``--config FILE`` every child gets the file too (``engine.config_file``), and the plan reads each child's
+command line as that child will, file included: a key of any section its process does not know, or a value
+it refuses, ends ``kvserve up`` before anything starts. So does a key that sets what the launcher sets on a
+child's command line itself (``planned``: its host, ports, worker id, threads, drain timeout and GPU share),
+which the flag would silently override.
 """
 
 from __future__ import annotations
@@ -15,13 +21,24 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from pydantic_settings import BaseSettings
+
+from decode_service.settings import DecodeSettings
 from engine.config import ModelSettings
+from engine.config_file import ConfigFile
 from kvserve.settings import UpSettings
-from rpc.settings import fields_of, settings_argv
+from prefill_service.settings import PrefillSettings
+from router.settings import RouterSettings
+from rpc.settings import argv_of, config_argv, fields_of, settings_argv, settings_from_argv
 from rpc.threads import host_cores
+from rpc.worker_options import WORKER_SET_FIELDS
 from security.cluster_tls import split_public_tls
 
 DECODE_PORTS, PREFILL_PORTS, METRICS_PORTS = 10, 30, 1000  # offsets from the router's port, and a worker's
+# Each child's settings model and the fields it sets itself, by its role: its section of a --config file.
+CHILD_SETTINGS: dict[str, tuple[type[BaseSettings], tuple[str, ...]]] = {
+    "decode": (DecodeSettings, WORKER_SET_FIELDS), "prefill": (PrefillSettings, WORKER_SET_FIELDS),
+    "router": (RouterSettings, ())}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -41,6 +58,7 @@ class ChildPlan:
     port: int
     argv: tuple[str, ...]  # its command line, less the credential flags ``launch`` adds
     metrics_port: int  # a worker's /metrics; the router serves its own on the HTTP port (0: none)
+    planned: tuple[str, ...]  # the options the launcher sets on ``argv`` itself, not passed on from its own
 
 
 @dataclass(frozen=True)
@@ -76,23 +94,44 @@ def plan_cluster(up: UpSettings, extra: ExtraArgv | None = None, host: str = "12
     shares = gpu_memory_shares(up.prefill_gpu_memory_utilization, up.decode_gpu_memory_utilization, up.prefill,
                                up.decode)  # fmt: skip
     shared_argv, public_argv = split_public_tls(up.security_argv())
-    worker_argv = ["--threads", str(threads_per_worker(up.prefill + up.decode, up.threads)),
-                   "--drain-timeout", str(up.drain_timeout), *shared_argv, *up.tracing_argv(),
-                   *up.engine_argv()]  # fmt: skip
+    threads = threads_per_worker(up.prefill + up.decode, up.threads)
+    worker_argv = [*shared_argv, *up.tracing_argv(), *up.engine_argv(), *config_argv(up)]
     children = []
     for role, count, offset, role_argv in (("decode", up.decode, DECODE_PORTS, [*up.decode_argv(), *extra.decode]),
                                            ("prefill", up.prefill, PREFILL_PORTS, extra.prefill)):  # fmt: skip
         for i in range(count):
             port, name = up.port + offset + i, f"{role}-{i}"
-            argv = (sys.executable, "-m", f"{role}_service", "--host", host, "--port", str(port), "--worker-id", name,
-                    "--metrics-port", str(port + METRICS_PORTS), *worker_argv, "--gpu-memory-utilization",
-                    str(shares[role]), *role_argv)  # fmt: skip
-            children.append(ChildPlan(name, role, port, argv, port + METRICS_PORTS))
-    router = (sys.executable, "-m", "router", "--host", host, "--port", str(up.port), "--http-port", str(up.http_port),
-              "--drain-timeout", str(up.drain_timeout), *settings_argv(up, fields_of(ModelSettings)), *shared_argv,
-              *public_argv, *up.tracing_argv(), *up.router_argv(), *extra.router)  # fmt: skip
-    children.append(ChildPlan("router", "router", up.port, router, up.http_port))
+            planned = {"host": host, "port": port, "worker_id": name, "metrics_port": port + METRICS_PORTS,
+                       "threads": threads, "drain_timeout": up.drain_timeout,
+                       "gpu_memory_utilization": shares[role]}  # fmt: skip
+            argv = (sys.executable, "-m", f"{role}_service", *argv_of(planned), *worker_argv, *role_argv)
+            children.append(ChildPlan(name, role, port, argv, port + METRICS_PORTS, tuple(planned)))
+    planned = {"host": host, "port": up.port, "http_port": up.http_port, "drain_timeout": up.drain_timeout}
+    router = (sys.executable, "-m", "router", *argv_of(planned), *settings_argv(up, fields_of(ModelSettings)),
+              *shared_argv, *public_argv, *up.tracing_argv(), *up.router_argv(), *config_argv(up),
+              *extra.router)  # fmt: skip
+    children.append(ChildPlan("router", "router", up.port, router, up.http_port, tuple(planned)))
+    if up.config_file is not None:
+        check_config_file(up.config_file, children)
     return ClusterPlan(up, host, tuple(children), tuple(public_argv))
+
+
+def check_config_file(config: ConfigFile, children: list[ChildPlan]) -> None:
+    """``ValueError`` naming the file and the key for a section's key its process does not know (whether or
+    not the cluster starts one), a value a child would refuse, or a key that sets what a child's command line
+    sets already (``ChildPlan.planned``), read as each child will read it."""
+    for role, (model_cls, exclude) in CHILD_SETTINGS.items():
+        config.options(role, fields_of(model_cls, exclude))
+    for child in children:
+        model_cls, exclude = CHILD_SETTINGS[child.role]
+        for name in child.planned:
+            if name in config.top_level or name in config.sections.get(child.role, {}):
+                raise ValueError(f"{config.path}: {config.key(child.role, name)}: kvserve up sets each process's "
+                                 f"{name} itself (see kvserve up --help)")  # fmt: skip
+        try:
+            settings_from_argv(model_cls, child.argv[3:], child.role, exclude)
+        except ValueError as err:
+            raise ValueError(f"{child.name}: {err}") from None
 
 
 def threads_per_worker(num_compute_workers: int, threads: int | None = None) -> int:
