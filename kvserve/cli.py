@@ -171,6 +171,10 @@ def main(argv: list[str] | None = None) -> None:
         if status:  # a bench that found a problem (kernels: no GPU)
             sys.exit(status)
         return
+    if argv[:1] == ["tune"]:
+        from kvserve.bench.tune import main as tune
+
+        sys.exit(tune(argv[1:]))
     if argv[:1] == ["up"]:  # its flags come from its settings model (``kvserve.settings``)
         from kvserve.settings import parse_up
 
@@ -210,6 +214,8 @@ def _parser(benches: Sequence[str]) -> argparse.ArgumentParser:
     sub.add_parser("bench", help=f"benchmarks: 'kvserve bench {'|'.join(benches)} --help'")
 
     sub.add_parser("up", help="start a local cluster: Redis, prefill and decode workers, router ('kvserve up --help')")
+    sub.add_parser("tune", help="sweep engine settings for goodput at your SLO; write the table and a --config file "
+                   "('kvserve tune --help')")
 
     certs = sub.add_parser("certs", help="make a cluster CA, and certificates and credentials for its processes "
                                          "(containers: docker-compose.yml)")  # fmt: skip

@@ -1,0 +1,206 @@
+"""``kvserve tune``: the tuning table for your model, hardware and workload, and the configuration file it picks.
+
+    kvserve tune [--model default|DIR] [--dataset random|shared-prefix|copy|jsonl] [--dataset-path F]
+        [--input-len 256] [--output-len 64] [--num-requests 24] [--ttft-p99 2.0] [--tpot-p99 0.25]
+        [--budget 10m] [--workers N] [--output-dir DIR]
+
+Goodput at the SLO: the highest request rate at which both the TTFT p99 and the TPOT p99 of the workload stay
+within ``--ttft-p99`` and ``--tpot-p99``, each rate measured by replaying the workload on an engine of that
+setting (``kvserve.bench.tune_replay``: open-loop arrivals on a virtual clock driven by real engine steps). The
+rates form a ladder of fractions of the default setting's capacity (the workload sent all at once), walked
+upwards until a rate misses the SLO: the rates above it are skipped, as dominated.
+
+The sweep is a coordinate descent from the default configuration, one knob at a time in this order: block
+size, ``max_num_seqs``, ``max_num_batched_tokens``, the KV cache dtype, prefix caching and speculative decoding
+(n-gram, ``num_speculative_tokens``). Each knob's values are tried outwards from the best so far; a direction
+is abandoned at its first value that does not beat the best (dominated), and the best value is kept before
+the next knob. The sweep stops at ``--budget`` (say ``90s``, ``10m``, ``1h``); what it did not reach is listed.
+
+With ``--workers N`` (N >= 2) it then splits N workers between prefill and decode: each split is a local
+``kvserve up`` cluster of the best engine setting, measured with ``kvserve bench load``'s open-loop client at
+the same rate ladder (real time: the ladder's top rate only, then lower ones while the SLO is missed).
+
+Written to ``--output-dir``: ``tuning.md`` and ``tuning.json`` (per setting: goodput, TTFT and TPOT p50/p99 at
+it, KV memory), ``throughput_latency.png`` (per setting, p99 latencies against achieved throughput),
+``kv_memory.png`` (KV bytes in use against sequences running) and ``kvserve.yaml``: the chosen configuration,
+for ``kvserve up --config``, a worker's ``--config`` or ``LLM(**load_config(...))``. Finally the default and
+the chosen configuration are measured again side by side, their rate ladders interleaved, and both goodputs
+are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+KNOBS: list[tuple[str, list[Any]]] = [
+    ("block_size", [8, 16, 32]),
+    ("max_num_seqs", [4, 8, 16, 32, 64, 256]),
+    ("max_num_batched_tokens", [256, 512, 1024, 2048, 4096]),
+    ("kv_cache_dtype", ["auto", "int8"]),
+    ("enable_prefix_caching", [True, False]),
+    ("num_speculative_tokens", [0, 2, 4]),
+]
+RATE_FRACTIONS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.2)  # of the default setting's capacity
+
+
+@dataclass
+class Trial:
+    """One setting's measurements: ``goodput`` is the highest rate (requests/s) that met the SLO (0: none)."""
+
+    setting: dict[str, Any]
+    points: list = field(default_factory=list)  # tune_replay.RatePoint, by rising rate
+    goodput: float = 0.0
+
+    def at_goodput(self):
+        """The point at the goodput's rate; for a setting that met the SLO at no rate, its lowest rate's."""
+        return next((p for p in self.points if p.rate == self.goodput), self.points[0] if self.points else None)
+
+    def row(self) -> dict[str, Any]:
+        best = self.at_goodput()
+        figures = best.summary() if best is not None else {}
+        return {"setting": self.setting, "goodput_rps": self.goodput,
+                **{k: figures.get(k, math.nan) for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
+                                                        "tpot_p99_ms", "output_throughput", "peak_kv_bytes")},
+                "points": [p.summary() for p in self.points]}  # fmt: skip
+
+
+def parse_budget(text: str) -> float:
+    """Seconds of ``90s``, ``10m``, ``1h`` or a bare number of seconds; ``ValueError`` otherwise."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    try:
+        return float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+    except ValueError:
+        raise ValueError(f"--budget {text!r}: give seconds, or a number with s, m or h (90s, 10m, 1h)") from None
+
+
+def engine_options(setting: dict[str, Any]) -> dict[str, Any]:
+    """A setting as ``LLMEngine``/``EngineConfig`` keywords (speculation as ``speculative_config``)."""
+    options = {k: v for k, v in setting.items() if k != "num_speculative_tokens"}
+    k = setting.get("num_speculative_tokens", 0)
+    options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k} if k else None
+    return options
+
+
+class Tuner:
+    """Measures settings (``measure``) and walks the knobs (``sweep``) until the deadline."""
+
+    def __init__(self, base: dict[str, Any], requests: list, ttft_p99_s: float, tpot_p99_s: float,
+                 deadline: float, progress=None) -> None:  # fmt: skip
+        self.base, self.requests = base, requests
+        self.ttft_p99_s, self.tpot_p99_s = ttft_p99_s, tpot_p99_s
+        self.deadline, self.progress = deadline, progress
+        self.rates: list[float] = []
+        self.trials: list[Trial] = []
+        self.skipped: list[dict[str, Any]] = []
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() >= self.deadline
+
+    def measure(self, setting: dict[str, Any], rates: list[float] | None = None) -> Trial:
+        """Build the setting's engine, replay the workload up the rate ladder until a rate misses the SLO."""
+        from engine import LLMEngine
+        from kvserve.bench.tune_replay import replay
+
+        trial = Trial(dict(setting))
+        engine = LLMEngine(**self.base, **engine_options(setting))
+        try:
+            replay(engine, self.requests[:2], math.inf)  # warm-up
+            if not self.rates:  # the ladder, from the first (default) setting's capacity
+                capacity = replay(engine, self.requests, math.inf).request_throughput
+                self.rates = [round(capacity * f, 4) for f in RATE_FRACTIONS]
+            for rate in rates or self.rates:
+                point = replay(engine, self.requests, rate, seed=len(trial.points))
+                trial.points.append(point)
+                if not point.meets(self.ttft_p99_s, self.tpot_p99_s):
+                    break  # the rates above it are dominated
+                trial.goodput = rate
+        finally:
+            engine.close()
+        self.trials.append(trial)
+        if self.progress is not None:
+            self.progress.set_postfix_str(f"{_shown(setting)}: {trial.goodput:g} req/s")
+            self.progress.update(1)
+        return trial
+
+    def sweep(self, default: dict[str, Any]) -> dict[str, Any]:
+        """The best setting coordinate descent finds from ``default`` before the deadline; what the deadline
+        left unmeasured goes to ``skipped``."""
+        best = self.measure(default)
+        for knob, values in KNOBS:
+            start = values.index(best.setting[knob]) if best.setting[knob] in values else 0
+            for direction in (1, -1):
+                i = start + direction
+                while 0 <= i < len(values):
+                    candidate = {**best.setting, knob: values[i]}
+                    if self.out_of_time():
+                        self.skipped.append(candidate)
+                        i += direction
+                        continue
+                    trial = self.measure(candidate)
+                    if trial.goodput <= best.goodput:
+                        break  # the values further this way are taken as dominated
+                    best, i = trial, i + direction
+        return best.setting
+
+
+def _shown(setting: dict[str, Any], default: dict[str, Any] | None = None) -> str:
+    return " ".join(f"{k}={v}" for k, v in setting.items() if default is None or default.get(k) != v) or "default"
+
+
+def default_setting() -> dict[str, Any]:
+    from engine.config import EngineConfig
+
+    defaults = EngineConfig()
+    setting = {knob: getattr(defaults, knob, None) for knob, _ in KNOBS if knob != "num_speculative_tokens"}
+    return setting | {"num_speculative_tokens": 0}
+
+
+def write_outputs(out: Path, tuner: Tuner, default: dict[str, Any], chosen: dict[str, Any],
+                  cluster: dict[str, int] | None, slo: dict[str, float]) -> None:  # fmt: skip
+    from kvserve.bench.tune_output import write_config, write_plots, write_table
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [t.row() for t in tuner.trials]
+    (out / "tuning.json").write_text(json.dumps({"slo": slo, "default": default, "chosen": chosen,
+                                                 "cluster": cluster, "trials": rows,
+                                                 "not_measured": tuner.skipped}, indent=1, default=str))  # fmt: skip
+    write_table(out / "tuning.md", rows, default, chosen, tuner.skipped, slo)
+    write_plots(out, tuner.trials, default)
+    write_config(out / "kvserve.yaml", engine_options(chosen), cluster)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvserve.bench.tune_output import add_workload_args, compare, split_workers, workload
+
+    parser = argparse.ArgumentParser(prog="kvserve tune", description=__doc__.split("\n")[0])
+    add_workload_args(parser)
+    parser.add_argument("--ttft-p99", type=float, default=2.0, help="the SLO on TTFT's p99, seconds")
+    parser.add_argument("--tpot-p99", type=float, default=0.25, help="the SLO on TPOT's p99, seconds")
+    parser.add_argument("--budget", default="10m", help="time for the sweep: 90s, 10m, 1h")
+    parser.add_argument("--workers", type=int, default=0, help="split this many workers into prefill:decode")
+    parser.add_argument("--output-dir", default="tune-out")
+    args = parser.parse_args(argv)
+    try:
+        budget_s = parse_budget(args.budget)
+    except ValueError as err:
+        parser.error(str(err))
+    from tqdm import tqdm
+
+    base, requests = workload(args)
+    default = default_setting()
+    slo = {"ttft_p99_s": args.ttft_p99, "tpot_p99_s": args.tpot_p99}
+    started = time.monotonic()
+    with tqdm(desc="kvserve tune", unit="setting") as progress:
+        tuner = Tuner(base, requests, args.ttft_p99, args.tpot_p99, started + budget_s, progress)
+        chosen = tuner.sweep(default)
+    cluster = split_workers(args, base, chosen, requests, tuner) if args.workers >= 2 else None
+    write_outputs(Path(args.output_dir), tuner, default, chosen, cluster, slo)
+    print((Path(args.output_dir) / "tuning.md").read_text())
+    compare(tuner, default, chosen)
+    return 0

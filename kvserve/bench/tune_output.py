@@ -1,0 +1,180 @@
+"""What ``kvserve tune`` reads and writes besides the sweep itself: the workload (``kvserve bench load``'s
+datasets), the table, the plots, the configuration file, the prefill:decode split of a cluster, and the
+closing side-by-side measurement of the default and the chosen configuration."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvserve.bench import report
+from kvserve.bench.datasets import DATASETS
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    data = parser.add_argument_group("workload (kvserve bench load's datasets)")
+    data.add_argument("--model", default="default")
+    data.add_argument("--device", default="auto")
+    data.add_argument("--dataset", choices=DATASETS, default="random")
+    data.add_argument("--dataset-path", default=None, help="the JSONL (or ShareGPT JSON) file of --dataset jsonl")
+    data.add_argument("--input-len", type=int, default=256)
+    data.add_argument("--output-len", type=int, default=64)
+    data.add_argument("--range-ratio", type=float, default=0.0)
+    data.add_argument("--num-requests", type=int, default=24, help="requests per measured rate")
+    data.add_argument("--num-prefixes", type=int, default=4)
+    data.add_argument("--questions-per-prefix", type=int, default=6)
+    data.add_argument("--prefix-len", type=int, default=256)
+    data.add_argument("--seed", type=int, default=0)
+
+
+def workload(args: argparse.Namespace) -> tuple[dict[str, Any], list]:
+    """(the engine options every setting shares, the requests). Random token ids need no tokenizer."""
+    from engine.bundled import resolve_model
+    from engine.model_config import ModelConfig
+    from kvserve.bench.datasets import random_requests, shared_prefix_requests
+    from kvserve.bench.load import build_requests
+
+    vocab = ModelConfig.from_dir(resolve_model(args.model)).vocab_size
+    if args.dataset == "random":
+        requests = random_requests(args.num_requests, args.input_len, args.output_len, args.range_ratio, vocab,
+                                   args.seed)  # fmt: skip
+    elif args.dataset == "shared-prefix":
+        requests = shared_prefix_requests(args.num_prefixes, args.questions_per_prefix, args.prefix_len,
+                                          args.input_len, args.output_len, vocab, args.seed)  # fmt: skip
+    else:
+        args.duration = None
+        requests = build_requests(args)
+    token_ids = args.dataset in ("random", "shared-prefix")
+    return {"model": args.model, "device": args.device, "skip_tokenizer_init": token_ids}, requests[: args.num_requests]
+
+
+def write_table(path: Path, rows: list[dict[str, Any]], default: dict[str, Any], chosen: dict[str, Any],
+                skipped: list[dict[str, Any]], slo: dict[str, float]) -> None:  # fmt: skip
+    lines = [f"# kvserve tune: goodput at TTFT p99 <= {slo['ttft_p99_s']} s and TPOT p99 <= {slo['tpot_p99_s']} s",
+             "", "| setting (changes from the default) | goodput req/s | TTFT p50/p99 ms | TPOT p50/p99 ms | "
+             "output tok/s | KV MiB |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for row in sorted(rows, key=lambda r: -r["goodput_rps"]):
+        mark = " **(chosen)**" if row["setting"] == chosen else ""
+        lines.append(f"| {_changes(row['setting'], default)}{mark} | {row['goodput_rps']:.3g} | "
+                     f"{row['ttft_p50_ms']:.0f} / {row['ttft_p99_ms']:.0f} | {row['tpot_p50_ms']:.0f} / "
+                     f"{row['tpot_p99_ms']:.0f} | {row['output_throughput']:.1f} | "
+                     f"{row['peak_kv_bytes'] / 2**20:.1f} |")  # fmt: skip
+    if skipped:
+        lines += ["", "Not measured (the budget ran out): " + "; ".join(_changes(s, default) for s in skipped)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _changes(setting: dict[str, Any], default: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in setting.items() if default.get(k) != v) or "default"
+
+
+def write_plots(out: Path, trials: list, default: dict[str, Any]) -> None:
+    from kvserve.bench.plots import _pyplot
+
+    plt = _pyplot()
+    fig, (ttft, tpot) = plt.subplots(1, 2, figsize=(13, 5))
+    for trial in trials:
+        x = [p.output_throughput for p in trial.points]
+        label = _changes(trial.setting, default)[:40]
+        ttft.plot(x, [p.p("ttft", 99) * 1e3 for p in trial.points], "-o", label=label, markersize=3)
+        tpot.plot(x, [p.p("tpot", 99) * 1e3 for p in trial.points], "-o", label=label, markersize=3)
+    for ax, what in ((ttft, "TTFT p99 (ms)"), (tpot, "TPOT p99 (ms)")):
+        ax.set(xlabel="output tokens/s (achieved)", ylabel=what, yscale="log")
+        ax.grid(alpha=0.3)
+    ttft.legend(fontsize=7)
+    fig.suptitle("throughput against latency, one curve per setting, one point per request rate")
+    fig.tight_layout()
+    fig.savefig(out / "throughput_latency.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for trial in trials:
+        samples = [s for p in trial.points for s in p.kv_samples]
+        ax.scatter([s[0] for s in samples], [s[1] / 2**20 for s in samples], s=4,
+                   label=_changes(trial.setting, default)[:40])  # fmt: skip
+    ax.set(xlabel="sequences running", ylabel="KV cache in use (MiB)", title="KV memory against concurrency")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, markerscale=3)
+    fig.tight_layout()
+    fig.savefig(out / "kv_memory.png", dpi=110)
+    plt.close(fig)
+
+
+def write_config(path: Path, options: dict[str, Any], cluster: dict[str, int] | None) -> None:
+    """The chosen configuration as a ``--config`` file: the engine's options at the top level, the split in
+    ``up``."""
+    import yaml
+
+    body: dict[str, Any] = {k: v for k, v in options.items() if v is not None}
+    if cluster:
+        body["up"] = cluster
+    path.write_text("# written by kvserve tune (see tuning.md)\n" + yaml.safe_dump(body, sort_keys=False))
+
+
+def compare(tuner, default: dict[str, Any], chosen: dict[str, Any]) -> dict[str, float]:
+    """Goodput of the default and the chosen setting again, their ladders interleaved rate by rate."""
+    from engine import LLMEngine
+    from kvserve.bench.tune import engine_options
+    from kvserve.bench.tune_replay import replay
+
+    sides = {"default": default, "tuned": chosen}
+    engines = {side: LLMEngine(**tuner.base, **engine_options(s)) for side, s in sides.items()}
+    goodput, last = dict.fromkeys(sides, 0.0), {}
+    try:
+        for engine in engines.values():
+            replay(engine, tuner.requests[:2], math.inf)  # warm-up
+        for i, rate in enumerate(tuner.rates):
+            for side in ("default", "tuned") if i % 2 == 0 else ("tuned", "default"):
+                if side in last and not last[side].meets(tuner.ttft_p99_s, tuner.tpot_p99_s):
+                    continue
+                last[side] = point = replay(engines[side], tuner.requests, rate, seed=i)
+                if point.meets(tuner.ttft_p99_s, tuner.tpot_p99_s):
+                    goodput[side] = rate
+    finally:
+        for engine in engines.values():
+            engine.close()
+    print(report.table(["side by side", "goodput req/s"], [[side, round(g, 4)] for side, g in goodput.items()]))
+    ratio = goodput["tuned"] / goodput["default"] if goodput["default"] else math.inf
+    print(f"tuned / default goodput: {ratio:.2f}x")
+    return goodput
+
+
+def split_workers(args: argparse.Namespace, base: dict[str, Any], chosen: dict[str, Any], requests: list,
+                  tuner) -> dict[str, int] | None:  # fmt: skip
+    """The prefill:decode split of ``args.workers`` workers with the best goodput, each split a local cluster
+    of the chosen engine setting measured in real time down the rate ladder; None when the budget is spent."""
+    from kvserve.bench.loadgen import run_load
+    from kvserve.bench.tune import engine_options
+    from kvserve.launcher.cluster import free_base_port, start_cluster
+    from kvserve.settings import parse_up
+
+    config = Path(tempfile.mkdtemp(prefix="kvserve-tune-")) / "engine.yaml"
+    write_config(config, {**engine_options(chosen), "model": base["model"], "device": base["device"]}, None)
+    best, best_goodput = None, -1.0
+    for num_prefill in range(args.workers):
+        if tuner.out_of_time():
+            print(f"kvserve tune: the budget ran out before the split {num_prefill}:{args.workers - num_prefill}")
+            break
+        split = {"prefill": num_prefill, "decode": args.workers - num_prefill}
+        up = parse_up(["--config", str(config), "--prefill", str(split["prefill"]), "--decode",
+                       str(split["decode"]), "--port", str(free_base_port(args.workers + 2)), "--http-port", "0",
+                       "--log-dir", tempfile.mkdtemp(prefix="kvserve-tune-logs-")])  # fmt: skip
+        cluster = start_cluster(up)
+        goodput = 0.0
+        try:
+            for rate in sorted(tuner.rates, reverse=True):
+                result = asyncio.run(run_load(cluster.endpoint, requests, request_rate=rate,
+                                              sampling={"temperature": 0, "ignore_eos": True}))  # fmt: skip
+                if (result.percentile("ttft_s", 99) <= tuner.ttft_p99_s
+                        and result.percentile("tpot_s", 99) <= tuner.tpot_p99_s):  # fmt: skip
+                    goodput = rate
+                    break
+        finally:
+            cluster.stop()
+        print(f"kvserve tune: {split['prefill']} prefill + {split['decode']} decode: goodput {goodput:g} req/s")
+        if goodput > best_goodput:
+            best, best_goodput = split, goodput
+    return best

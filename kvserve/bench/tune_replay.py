@@ -1,0 +1,93 @@
+"""A workload replayed on one engine at a request rate, on a virtual clock: what ``kvserve tune`` measures.
+
+Requests arrive open-loop (Poisson at ``rate``; all at once for ``inf``). The clock advances by each engine
+step's wall time and jumps over the gaps in which the engine has nothing to do, so a low rate costs no idle
+waiting and every latency is the engine's own: a request's TTFT is from its arrival to the end of the step
+that made its first token (arrivals during a step wait for the next one, as they would in a worker), its TPOT
+the mean time per output token after the first. Requests decode greedily with EOS ignored, so each runs to
+its ``max_tokens``; their KV use is sampled after every step, against the sequences running then.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine import LLMEngine, SamplingParams
+from kvserve.bench.loadgen import BenchRequest, arrival_gaps
+
+
+@dataclass
+class RatePoint:
+    """One replay's figures; latencies in seconds."""
+
+    rate: float  # requests per second asked for
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    num_output_tokens: int = 0
+    span_s: float = 0.0  # first arrival to last token, on the virtual clock
+    kv_samples: list[tuple[int, int]] = field(default_factory=list)  # (sequences running, KV bytes in use)
+
+    def p(self, what: str, q: float) -> float:
+        values = self.ttft_s if what == "ttft" else self.tpot_s
+        return float(np.percentile(values, q)) if values else math.nan
+
+    @property
+    def request_throughput(self) -> float:
+        return len(self.ttft_s) / self.span_s if self.span_s else 0.0
+
+    @property
+    def output_throughput(self) -> float:
+        return self.num_output_tokens / self.span_s if self.span_s else 0.0
+
+    @property
+    def peak_kv_bytes(self) -> int:
+        return max((b for _, b in self.kv_samples), default=0)
+
+    def meets(self, ttft_p99_s: float, tpot_p99_s: float) -> bool:
+        return self.p("ttft", 99) <= ttft_p99_s and self.p("tpot", 99) <= tpot_p99_s
+
+    def summary(self) -> dict[str, float]:
+        return {"rate": self.rate, "request_throughput": self.request_throughput,
+                "output_throughput": self.output_throughput, "ttft_p50_ms": self.p("ttft", 50) * 1e3,
+                "ttft_p99_ms": self.p("ttft", 99) * 1e3, "tpot_p50_ms": self.p("tpot", 50) * 1e3,
+                "tpot_p99_ms": self.p("tpot", 99) * 1e3, "peak_kv_bytes": self.peak_kv_bytes}  # fmt: skip
+
+
+def replay(engine: LLMEngine, requests: list[BenchRequest], rate: float, seed: int = 0) -> RatePoint:
+    """Run ``requests`` through ``engine`` (empty, and left empty) at ``rate`` requests per second."""
+    gaps = arrival_gaps(rate, 1.0, random.Random(seed))
+    arrivals = list(np.cumsum([next(gaps) for _ in requests]))
+    bytes_per_block = engine.runner.kv_cache.spec.bytes_per_block()
+    pool = engine.block_manager.pool
+    point, clock, sent = RatePoint(rate), 0.0, 0
+    arrived: dict[str, float] = {}
+    first_token: dict[str, float] = {}
+    while sent < len(requests) or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests():
+            clock = max(clock, arrivals[sent])  # nothing to run until the next arrival
+        while sent < len(requests) and arrivals[sent] <= clock:
+            request = requests[sent]
+            params = SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True)
+            arrived[engine.add_request(request.prompt, params, f"tune-{sent}")] = arrivals[sent]
+            sent += 1
+        start = time.perf_counter()
+        outputs = engine.step()
+        clock += time.perf_counter() - start
+        point.kv_samples.append((len(engine.scheduler.running), (pool.num_blocks - pool.num_free_blocks)
+                                 * bytes_per_block))  # fmt: skip
+        for out in outputs:
+            if out.new_token_ids and out.request_id not in first_token:
+                first_token[out.request_id] = clock
+            if out.finished:
+                begun = arrived[out.request_id]
+                point.ttft_s.append(first_token[out.request_id] - begun)
+                if out.num_output_tokens > 1:
+                    point.tpot_s.append((clock - first_token[out.request_id]) / (out.num_output_tokens - 1))
+                point.num_output_tokens += out.num_output_tokens
+    point.span_s = clock - (arrivals[0] if arrivals else 0.0)
+    return point

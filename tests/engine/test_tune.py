@@ -1,0 +1,95 @@
+"""``kvserve tune``: the virtual-clock replay it measures with, the coordinate descent over the knobs (dominated
+values never measured, the budget's leftovers listed), and a whole run on the tiny model writing the table,
+the plots and a configuration file that ``LLM(**load_config(...))`` takes."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+
+from engine import LLMEngine
+from engine.config_file import load_config
+from engine.llm import LLM
+from kvserve.bench import tune
+from kvserve.bench.datasets import random_requests
+from kvserve.bench.tune_replay import RatePoint, replay
+
+
+def test_the_replay_jumps_over_idle_time_and_times_each_request_from_its_arrival(tiny_model_dir):
+    engine = LLMEngine(model=str(tiny_model_dir), skip_tokenizer_init=True, num_blocks=64)
+    requests = random_requests(4, 20, 6, 0.0, 1000)
+    try:
+        started = time.monotonic()
+        sparse = replay(engine, requests, rate=1e-6)  # about 1e6 s apart, on the virtual clock
+        assert time.monotonic() - started < sparse.span_s / 1000  # no real waiting for the arrivals
+        assert sparse.span_s > 1e4 and len(sparse.ttft_s) == 4 and sparse.num_output_tokens == 4 * 6
+        assert max(running for running, _ in sparse.kv_samples) == 1  # never two at once
+        burst = replay(engine, requests, rate=math.inf)  # all at once: they share the steps
+        assert max(running for running, _ in burst.kv_samples) == 4
+        assert not engine.has_unfinished_requests() and engine.block_manager.pool.num_free_blocks == 64
+    finally:
+        engine.close()
+
+
+def _fake_measure(goodputs: dict[tuple, float], measured: list[dict]):
+    def measure(self, setting, rates=None):
+        measured.append(dict(setting))
+        key = tuple(setting[k] for k in ("block_size", "max_num_seqs"))
+        trial = tune.Trial(dict(setting), [RatePoint(1.0)], goodputs.get(key, 0.5))
+        self.trials.append(trial)
+        return trial
+
+    return measure
+
+
+def test_coordinate_descent_keeps_the_best_and_never_measures_a_dominated_value(monkeypatch):
+    # block size: 16 (default) 0.5 req/s, 32 is better, 8 worse; max_num_seqs: 64 is the best at block 32
+    goodputs = {(16, 256): 0.5, (32, 256): 0.8, (8, 256): 0.3, (32, 64): 1.0, (32, 32): 0.9}
+    measured: list[dict] = []
+    monkeypatch.setattr(tune.Tuner, "measure", _fake_measure(goodputs, measured))
+    tuner = tune.Tuner({}, [], 1.0, 1.0, deadline=math.inf)
+    chosen = tuner.sweep(tune.default_setting())
+    assert (chosen["block_size"], chosen["max_num_seqs"]) == (32, 64)
+    at_block_32 = {**tune.default_setting(), "block_size": 32}
+    seqs_tried = [s["max_num_seqs"] for s in measured
+                  if s["max_num_seqs"] != 256 and s == {**at_block_32, "max_num_seqs": s["max_num_seqs"]}]
+    assert seqs_tried == [64, 32]  # downwards from 256: 64 beats it, 32 does not, so 16, 8, 4 are dominated
+    assert not tuner.skipped
+
+
+def test_what_the_budget_leaves_is_listed_not_measured(monkeypatch):
+    measured: list[dict] = []
+    monkeypatch.setattr(tune.Tuner, "measure", _fake_measure({}, measured))
+    tuner = tune.Tuner({}, [], 1.0, 1.0, deadline=0.0)  # already spent: only the default is measured
+    assert tuner.sweep(tune.default_setting()) == tune.default_setting() and len(measured) == 1
+    assert {"kv_cache_dtype": "int8"}.items() <= next(s for s in tuner.skipped if s["kv_cache_dtype"] == "int8").items()
+    assert len(tuner.skipped) == sum(len(values) - 1 for _, values in tune.KNOBS)
+
+
+def test_a_run_writes_the_table_the_plots_and_a_config_file_the_engine_takes(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "tune"
+    status = tune.main(["--model", str(tiny_model_dir), "--num-requests", "4", "--input-len", "24", "--output-len",
+                        "4", "--budget", "1s", "--output-dir", str(out), "--ttft-p99", "30", "--tpot-p99", "5"])
+    assert status == 0
+    assert {p.name for p in out.iterdir()} == {"tuning.md", "tuning.json", "throughput_latency.png",
+                                               "kv_memory.png", "kvserve.yaml"}  # fmt: skip
+    result = json.loads((out / "tuning.json").read_text())
+    assert result["trials"][0]["goodput_rps"] > 0 and result["not_measured"]  # 1 s: the default only
+    assert "| default **(chosen)** |" in (out / "tuning.md").read_text()
+    options = load_config(out / "kvserve.yaml")
+    assert options["block_size"] == result["chosen"]["block_size"] and options["max_num_seqs"] == 256
+    llm = LLM(**{**options, "model": str(tiny_model_dir), "skip_tokenizer_init": True, "num_blocks": 32})
+    try:
+        assert len(llm.generate([[1, 2, 3]])[0].token_ids) > 0
+    finally:
+        llm.engine.close()
+    assert "tuned / default goodput:" in capsys.readouterr().out
+
+
+def test_a_bad_budget_is_refused():
+    with pytest.raises(ValueError, match="90s, 10m, 1h"):
+        tune.parse_budget("ten minutes")
+    assert tune.parse_budget("90s") == 90 and tune.parse_budget("10m") == 600 and tune.parse_budget("2") == 2
