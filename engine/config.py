@@ -119,6 +119,23 @@ class EngineConfig(ModelSettings):
     disk_kv_cache_gb: float = Field(
         0.0, ge=0, description="GiB the disk tier may fill in disk_kv_cache_dir (needs the host tier)"
     )
+    step_diagnosis: bool = Field(
+        True,
+        description="count each step's bytes moved, FLOPs and host time against the device's peaks "
+        "(kvserve_step_utilization; engine.step_diagnosis); false: no probes at start, nothing counted per step",
+    )
+    peak_memory_bandwidth_gbs: float | None = Field(
+        None,
+        gt=0,
+        description="the device's peak memory bandwidth in GB/s, for the step diagnosis; none: the GPU table, "
+        "else the measured copy bandwidth (engine.device_peaks)",
+    )
+    peak_tflops: float | None = Field(
+        None,
+        gt=0,
+        description="the device's peak dense TFLOP/s in the model's dtype, for the step diagnosis; none: the GPU "
+        "table, else a GEMM probe",
+    )
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -57,7 +57,7 @@ class DraftProposer:
         config = EngineConfig(model=str(path), device=target.device, dtype=target.dtype,
                               block_size=target.block_size, num_blocks=num_blocks, enforce_eager=True,
                               max_num_seqs=target.max_num_seqs, max_num_batched_tokens=target.max_num_batched_tokens,
-                              skip_tokenizer_init=True, seed=target.seed)  # fmt: skip
+                              skip_tokenizer_init=True, seed=target.seed, step_diagnosis=False)  # fmt: skip
         self.runner = ModelRunner(path, draft_config, config, scores=False)
         self.block_manager = BlockManager(self.runner.num_blocks, target.block_size)
         self.k = k

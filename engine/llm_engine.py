@@ -15,6 +15,9 @@ with KV outside this engine's pool (a prefill worker's hand-off, a decode
 worker's remote prefill) is their KV connector's business (``connect``,
 ``engine.kv_connector``), never the engine's.
 
+Each step that runs a batch is counted (``engine.step_diagnosis``, unless ``step_diagnosis`` is off): the bytes
+it moves, its FLOPs and its host time, against the device's peaks (``engine.device_peaks``), in ``diagnosis``.
+
 Prefix caching: a request starts after the longest cached run of full blocks
 of its tokens (``RequestOutput.num_cached_tokens``); every full block, output
 blocks included, is cached once its KV is computed and stays until evicted
@@ -24,10 +27,12 @@ blocks included, is cached once its KV is computed and stays until evicted
 from __future__ import annotations
 
 import itertools
+import time
 
 from engine.bundled import resolve_model
 from engine.config import EngineConfig
 from engine.continuation import Continuation, check_continuation, resume
+from engine.device_peaks import device_peaks
 from engine.kv_connector import TRANSFER_EXPIRED, ConnectorChain, KVConnector
 from engine.logprobs import TokenLogprob
 from engine.model_config import ModelConfig
@@ -40,6 +45,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative import build_speculator, keep_accepted
+from engine.step_diagnosis import StepCostModel, StepDiagnosis
 from engine.structured_output import GrammarCompiler, GrammarState
 from engine.tier_connector import build_tiers
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -57,7 +63,14 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        peaks = None
+        if self.config.step_diagnosis:  # (before the model and the KV pool take their memory)
+            device = self.config.torch_device()
+            peaks = device_peaks(device, self.config.torch_dtype(device), self.model_config.hidden_size,
+                                 self.config.peak_memory_bandwidth_gbs, self.config.peak_tflops)  # fmt: skip
         self.runner = ModelRunner(path, self.model_config, self.config, frozenset(self.eos_token_ids))
+        self.diagnosis = None if peaks is None else StepDiagnosis(
+            StepCostModel(self.runner.model, self.model_config, self.runner.kv_spec), peaks, self.runner.clock)
         block_size = self.config.block_size
         if self.config.max_model_len and self.config.max_model_len > self.model_config.max_context:
             raise ValueError(
@@ -217,13 +230,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch, then take in the KV loads that finished; an output for each request that got a token
         or ended (``kv_transfer_expired``). Raises StepError (the loads then wait for the next step)."""
-        outputs = []
+        began = time.perf_counter()
+        outputs, cost = [], None
         if self.grammars is not None and self.grammars.num_failed != self._num_failed_grammars:
             outputs = self._end_failed_grammars()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch.seqs:
+            cost = self.diagnosis.count(batch) if self.diagnosis is not None else None
             outputs += self._run(batch)
         for seq, load in self.scheduler.finish_loads(self.connector.finished_loads()):
             self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
@@ -233,6 +248,8 @@ class LLMEngine:
             outputs.append(self._append_tokens(seq, [load.first_token], logprobs))
         for seq in self.held.ready():  # their choice 0's prompt KV is computed: they may share it now
             self.scheduler.add(seq, first=True)
+        if cost is not None:
+            self.diagnosis.record(batch, cost, time.perf_counter() - began)
         return outputs
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:

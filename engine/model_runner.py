@@ -26,6 +26,7 @@ from engine.models.loader import load_model
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.step_diagnosis import DeviceClock
 from kvstore import KVCache, KVCacheSpec
 from kvstore.ring import RingSpec
 from kvstore.shared_pool import create_shared_pool
@@ -78,6 +79,8 @@ class ModelRunner:
             self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
         self.sampler = Sampler(model_config.vocab_size, self.device, config.seed, eos_token_ids)
         self.scores = scores
+        # times the device's parts of each step: the forward with its logits, the sampler (``engine.step_diagnosis``)
+        self.clock = DeviceClock(self.device, enabled=config.step_diagnosis)
         # The longest sequence the engine admits: the model's context or the config's cap, and within the pool,
         # since a sequence must fit in it on its own or preemption could never make room for it (a model that
         # slides in every layer holds a ring of blocks whatever the length: see ``model_ring``).
@@ -117,6 +120,7 @@ class ModelRunner:
         for a speculating sequence the target's token at its last token and at each proposal
         (``engine.speculative`` verifies them)."""
         seqs = batch.seqs
+        self.clock.take()  # (what a failed step timed before it failed)
         scoring = [i for i, s in enumerate(seqs) if s.wants_prompt_logprobs] if self.scores else []
         decoded = self._decode_padded(seqs) if batch.num_decodes == len(seqs) and not scoring else None
         prompt: dict[int, list[TokenLogprob]] = {}
@@ -125,11 +129,12 @@ class ModelRunner:
             counts = None
         else:
             step = stage_step(self.staging, seqs, batch.num_new_tokens, batch.num_decodes, self.block_size)
-            hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.meta)
-            if scoring:
-                prompt = self._score_prompts(hidden, seqs, batch.num_new_tokens, scoring)
             sampled = step.sampled
-            logits = self.model.compute_logits(hidden[step.logit_rows]) if sampled else None
+            with self.clock:
+                hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.meta)
+                if scoring:
+                    prompt = self._score_prompts(hidden, seqs, batch.num_new_tokens, scoring)
+                logits = self.model.compute_logits(hidden[step.logit_rows]) if sampled else None
             counts = step.logit_counts if len(step.logit_counts) < step.logit_rows.shape[0] else None
         out = ExecutedStep([[] for _ in seqs], [None] * len(seqs), prompt)
         if not sampled:
@@ -175,10 +180,11 @@ class ModelRunner:
             return None
         if not inputs.stage(bucket, seqs, self.block_size):
             return None
-        if self.graphs is not None:
-            logits = self.graphs.replay(bucket)
-        else:
-            logits = decode_forward(self.model, self.kv_cache.layers, inputs, bucket)
+        with self.clock:
+            if self.graphs is not None:
+                logits = self.graphs.replay(bucket)
+            else:
+                logits = decode_forward(self.model, self.kv_cache.layers, inputs, bucket)
         # A one-token prefill chunk that does not end its prompt is a "decode" that samples nothing.
         sampled = [i for i, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
         if len(sampled) == len(seqs):
@@ -189,7 +195,8 @@ class ModelRunner:
                 seen_after: list[list[int]] | None = None) -> tuple[list[int], list[TokenLogprob] | None]:  # fmt: skip
         """Sample on the device (``Sampler``), then read the tokens back in one copy (into pinned memory on
         CUDA), and their log-probabilities where a row asked."""
-        drawn: SamplerOutput = self.sampler(logits, seqs, positions, seen_after)
+        with self.clock:
+            drawn: SamplerOutput = self.sampler(logits, seqs, positions, seen_after)
         if self._tokens_host.shape[0] < len(seqs):  # a batch wider than max_num_seqs: grow (never expected)
             self._tokens_host = self._pinned_tokens(2 * len(seqs))
         host = self._tokens_host[: len(seqs)]

@@ -5,7 +5,8 @@ its HTTP port, or on its own ``--metrics-port`` when given. Counters and histogr
 happen (off the model's critical path: a histogram observation is about a microsecond); gauges that mirror a
 worker's state (queue depths, KV blocks) are read at scrape time from the ``load`` function the worker
 registers, so nothing updates them per step; so is ``kvserve_registry_up``, from the outage state of the
-process's Redis link (``export_registry_health``: no Redis call of its own).
+process's Redis link (``export_registry_health``: no Redis call of its own), and so is
+``kvserve_step_utilization``, from the engine's running step diagnosis (``engine.step_diagnosis``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from cluster_state.registry import Registry
     from engine import LLMEngine
+    from engine.step_diagnosis import StepDiagnosis
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -57,11 +59,16 @@ TRACE_SPANS_DROPPED = Counter("kvserve_trace_spans_dropped", "Spans the OTLP col
 _STATE = Gauge("kvserve_worker_state", "A worker's queue depths and KV blocks now", ["role", "field"])
 _REGISTRY_UP = Gauge("kvserve_registry_up", "1 while this process's last Redis call (a worker's heartbeat, the "
                      "router's registry reads) succeeded, 0 while Redis is unreachable", ["role"])  # fmt: skip
+_UTILIZATION = Gauge("kvserve_step_utilization", "Over a worker's last 64 steps or so, the fraction of the device's "
+                     "peak memory bandwidth (bytes moved: weights, KV read and written) and of its peak compute "
+                     "(FLOPs) the steps used, and the host's share of their time (step time minus device time); "
+                     "each in [0, 1], 0 before the first step", ["role", "resource"])  # fmt: skip
 
 
 def export_state(role: str, load: Callable[[], dict[str, int]], engine: LLMEngine) -> None:
     """Expose a worker's queue depths (from ``load()``) and its engine's KV blocks (used, free, holding cached
-    prefixes) as gauges, and the engine's preemptions as ``kvserve_preemptions_total``; read at scrape time."""
+    prefixes) as gauges, the engine's preemptions as ``kvserve_preemptions_total`` and its step utilisation
+    (``export_step_utilization``); read at scrape time."""
     pool = engine.block_manager.pool
     fields = {
         "requests_waiting": lambda: load()["num_waiting"],
@@ -80,6 +87,17 @@ def export_state(role: str, load: Callable[[], dict[str, int]], engine: LLMEngin
         REGISTRY.register(_TierCounts(role, engine.tiers.stats))
     if engine.speculator is not None:
         REGISTRY.register(_SpecCounts(role, engine.speculator.stats))
+    if engine.diagnosis is not None:
+        export_step_utilization(role, engine.diagnosis)
+
+
+def export_step_utilization(role: str, diagnosis: StepDiagnosis) -> None:
+    """Expose ``kvserve_step_utilization{role, resource}`` for each resource (memory_bandwidth, compute, host),
+    read at scrape time from ``diagnosis.recent()``."""
+    from engine.step_diagnosis import RESOURCES  # (here: the router imports this module and never loads torch)
+
+    for resource in RESOURCES:
+        _UTILIZATION.labels(role, resource).set_function(lambda r=resource: getattr(diagnosis.recent(), r))
 
 
 def export_registry_health(role: str, registry: Registry) -> None:

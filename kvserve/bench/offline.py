@@ -5,6 +5,7 @@
         [--batch-sizes 1,64,256 --prompt-len 128 --max-tokens 256]         one row per batch size
         [--workload nano-vllm [--nano-requests 256 --nano-lengths 100,1024]]
         [--profile [--profile-batch 64 --profile-steps 10]]
+        [--diagnose [--diagnose-steps 32]]
     kvserve bench offline --speculative ngram [--spec-tokens 4 --max-tokens 128 --spec-rounds 3]
     kvserve bench offline --tiny [--batch-sizes 1,64,256 --tiny-prompt-len 16 --tiny-steps 48 --tiny-rounds 5]
         [--tiny-cpu-time]
@@ -22,6 +23,11 @@ Workloads, each timed after a warm-up, in one dtype and one thread count for bot
 static cache, which ``generate`` compiles with torch.compile on CUDA (``--no-compile`` turns that off).
 ``--tiny`` times the decode step alone on a tiny random model, where host work dominates, against
 transformers' (``kvserve.bench.tiny``); it ignores ``--model`` and the other workloads.
+After each timed run the engine's step diagnosis (``engine.step_diagnosis``) prints what bound its steps,
+decode and prefill apart: ``bound by: memory bandwidth 71% | compute 9% | host 20%`` (shares of the device's
+peak bandwidth and compute, and the host's share of the step time). ``--diagnose`` first prints, per
+``--batch-sizes`` entry (default 1 and 16), the diagnosis' host share of ``--diagnose-steps`` decode steps
+beside torch.profiler's reading of the very same steps (``kvserve.bench.host_share``).
 ``--profile`` first prints what ``kvserve.bench.profile`` finds in a few decode steps, on an engine with
 ``enforce_eager=True`` (the kernel launches per layer, GPU busy) and on the default one (CUDA graphs).
 A mixture-of-experts model (Qwen3-MoE) ends with the share of a decode step (``--profile-batch`` sequences,
@@ -39,9 +45,11 @@ import time
 import torch
 
 from kvserve.bench.hf_baseline import BASELINES, TransformersBaseline
+from kvserve.bench.host_share import compare_host_share
 from kvserve.bench.profile import DecodeProfile, moe_routing_share, profile_decode_steps
 
 NANO_VLLM_TEMPERATURE = 0.6
+WARM_UP_SEED = 1_000_000  # the warm-up prompts' seeds, never a batch size
 
 
 def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -63,6 +71,23 @@ def _sync(llm) -> None:
         torch.cuda.synchronize(llm.engine.runner.device)
 
 
+def diagnosis_totals(llm) -> dict | None:
+    """The step diagnosis' totals now (None when the engine runs without it), for ``print_bound_by``."""
+    return None if llm.engine.diagnosis is None else llm.engine.diagnosis.totals()
+
+
+def print_bound_by(llm, before: dict | None) -> None:
+    """What bound the steps since ``before`` (``diagnosis_totals``): one line per kind of step that ran."""
+    if before is None:
+        return
+    diagnosis = llm.engine.diagnosis
+    for kind, totals in diagnosis.totals().items():
+        spent = totals - before[kind]
+        if spent.num_steps:
+            print(f"      bound by: {diagnosis.utilization(spent).line()}  ({kind}: {spent.num_steps:.0f} steps, "
+                  f"{spent.wall_s / spent.num_steps * 1e3:.1f} ms each)", flush=True)  # fmt: skip
+
+
 def _greedy(max_tokens: int):
     from engine import SamplingParams
 
@@ -79,8 +104,10 @@ def random_lengths(llm, baseline: TransformersBaseline | None, args: argparse.Na
     new_tokens = args.num_prompts * max_tokens
     print(f"\n{args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens, {max_tokens} new tokens each")
     llm.generate(prompts[:2], _greedy(4))  # warm-up
+    before = diagnosis_totals(llm)
     engine_s, engine_tokens = run_engine(llm, prompts, _greedy(max_tokens))
     print(f"kvserve engine : {engine_s:7.2f} s  {new_tokens / engine_s:8.1f} output tokens/s", flush=True)
+    print_bound_by(llm, before)
     if baseline is None:
         return
     hf_s, hf_tokens = baseline.run(prompts, max_tokens)
@@ -100,14 +127,18 @@ def batch_rows(llm, baseline: TransformersBaseline | None, batch_sizes: list[int
     print(f"{'batch':>5} {'engine':>10} {name:>10} {'engine/' + name:>17}")
     for batch in batch_sizes:
         prompts = make_prompts(batch, prompt_len, prompt_len, _vocab(llm), seed=batch)
-        llm.generate(make_prompts(batch, prompt_len, prompt_len, _vocab(llm), seed=-batch), _greedy(2))
+        # (a seed of its own: random.Random(-n) draws what random.Random(n) does)
+        llm.generate(make_prompts(batch, prompt_len, prompt_len, _vocab(llm), seed=WARM_UP_SEED + batch), _greedy(2))
+        before = diagnosis_totals(llm)
         engine_s, _ = run_engine(llm, prompts, _greedy(max_tokens))
         engine_rate = batch * max_tokens / engine_s
         if baseline is None or (baseline_max_batch is not None and batch > baseline_max_batch):
             print(f"{batch:>5} {engine_rate:10.1f} {'-':>10}", flush=True)
-            continue
-        baseline_rate = batch * max_tokens / baseline.run(prompts, max_tokens)[0]
-        print(f"{batch:>5} {engine_rate:10.1f} {baseline_rate:10.1f} {engine_rate / baseline_rate:16.2f}x", flush=True)
+        else:
+            baseline_rate = batch * max_tokens / baseline.run(prompts, max_tokens)[0]
+            print(f"{batch:>5} {engine_rate:10.1f} {baseline_rate:10.1f} {engine_rate / baseline_rate:16.2f}x",
+                  flush=True)  # fmt: skip
+        print_bound_by(llm, before)
 
 
 def nano_vllm_workload(llm, num_requests: int, min_len: int, max_len: int) -> None:
@@ -120,12 +151,14 @@ def nano_vllm_workload(llm, num_requests: int, min_len: int, max_len: int) -> No
     params = [SamplingParams(temperature=NANO_VLLM_TEMPERATURE, ignore_eos=True,
                              max_tokens=rng.randint(min_len, max_len)) for _ in range(num_requests)]  # fmt: skip
     llm.generate(prompts[:2], _greedy(4))  # warm-up
+    before = diagnosis_totals(llm)
     seconds, tokens = run_engine(llm, prompts, params)
     num_tokens = sum(len(t) for t in tokens)
     print(f"\nnano-vllm workload: {num_requests} requests, prompts and outputs of {min_len}-{max_len} tokens, "
           f"temperature {NANO_VLLM_TEMPERATURE}, EOS ignored")  # fmt: skip
     print(f"kvserve engine : {num_tokens} output tokens in {seconds:.2f} s = {num_tokens / seconds:.1f} tok/s",
           flush=True)  # fmt: skip
+    print_bound_by(llm, before)
 
 
 def _busy(profile: DecodeProfile) -> str:
@@ -141,6 +174,22 @@ def print_profiles(eager: DecodeProfile, graphs: DecodeProfile, batch: int, prom
     print(f"launches per layer (graphs, a whole step's kernels over the layers): {graphs.launches_per_layer:.1f}")
     print(f"GPU busy (eager): {_busy(eager)}")
     print(f"GPU busy (graphs): {_busy(graphs)}", flush=True)
+
+
+def print_host_shares(llm, batch_sizes: list[int], prompt_len: int, steps: int) -> None:
+    """Per batch size, the diagnosis' host share of decode steps beside torch.profiler's (``bench.host_share``)."""
+    print(f"\nhost share of {steps} decode steps after {prompt_len}-token prompts: the step diagnosis against "
+          "torch.profiler on the same profiled steps")  # fmt: skip
+    for batch in batch_sizes:
+        shares = compare_host_share(llm, batch, prompt_len, steps)
+        gap = shares.diagnosis - shares.profiler
+        relative = f"{gap / shares.profiler:+.0%}" if shares.profiler > 0 else "n/a"
+        print(f"batch {batch:>3}: Python tracer on: diagnosis {shares.diagnosis:.2%} | torch.profiler, same "
+              f"definition {shares.profiler:.2%} (difference {gap * 100:+.2f} points, {relative} of the "
+              "profiler's)")  # fmt: skip
+        print(f"           operators only: diagnosis {shares.operators_diagnosis:.2%} | torch.profiler, outside "
+              f"torch operators {shares.outside_operators:.2%}")  # fmt: skip
+        print(f"           no profiler: diagnosis {shares.unprofiled:.2%}", flush=True)
 
 
 def print_moe_share(llm, batch: int, prompt_len: int, steps: int) -> None:
@@ -205,6 +254,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="profile decode steps, eager and with CUDA graphs")
     parser.add_argument("--profile-batch", type=int, default=64)
     parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument("--diagnose", action="store_true",
+                        help="the step diagnosis' host share against torch.profiler's, per --batch-sizes entry")
+    parser.add_argument("--diagnose-steps", type=int, default=32, help="decode steps compared per batch size")
     parser.add_argument("--tiny", action="store_true", help="decode step time on a tiny model vs transformers")
     parser.add_argument("--tiny-prompt-len", type=int, default=16)
     parser.add_argument("--tiny-steps", type=int, default=48, help="decode steps timed per round")
@@ -256,9 +308,13 @@ def main(argv: list[str] | None = None) -> None:
     runner = llm.engine.runner
     print(f"dtype {runner.dtype}, device {runner.device}, {torch.get_num_threads()} threads", flush=True)
     print(runner.graphs.summary() if runner.graphs is not None else "decode CUDA graphs: none (eager)", flush=True)
+    if llm.engine.diagnosis is not None:
+        print(llm.engine.diagnosis.peaks.describe(), flush=True)
     if args.profile:
         graphs = profile_decode_steps(llm, args.profile_batch, args.prompt_len, args.profile_steps)
         print_profiles(eager, graphs, args.profile_batch, args.prompt_len, args.profile_steps)
+    if args.diagnose:
+        print_host_shares(llm, args.batch_sizes or [1, 16], args.prompt_len, args.diagnose_steps)
     baseline = None
     if args.baseline != "none" and (args.batch_sizes or args.workload == "random"):
         baseline = TransformersBaseline(resolve_model(args.model), runner.dtype, runner.device,

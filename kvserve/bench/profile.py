@@ -95,16 +95,16 @@ def count_trace(events: list[dict]) -> TraceCounts:
     return TraceCounts(len(kernels), num_layer_kernels, launches.count(None), len(launch_ts), busy_us)
 
 
-def profile_decode_steps(llm, batch_size: int, prompt_len: int, num_steps: int) -> DecodeProfile:
-    """Profile ``num_steps`` decode-only steps of ``batch_size`` sequences after ``prompt_len``-token prompts."""
+def decoding_batch(engine, batch_size: int, prompt_len: int, num_steps: int) -> list[str]:
+    """Queue ``batch_size`` random ``prompt_len``-token prompts and step until every one decodes, then
+    ``_SETTLE_STEPS`` more: their request ids, each with at least ``2 * num_steps`` decode steps left (the caller
+    aborts them when done; they are aborted here if stepping fails)."""
     from engine import SamplingParams
 
-    engine = llm.engine
     if not 1 <= batch_size <= engine.config.max_num_seqs:
         raise ValueError(f"batch_size must be in 1..max_num_seqs ({engine.config.max_num_seqs}), got {batch_size}")
     if prompt_len < 1 or num_steps < 1:
         raise ValueError(f"prompt_len and num_steps must be positive, got {prompt_len} and {num_steps}")
-    device = engine.runner.device
     vocab = engine.model_config.vocab_size
     prompts = torch.randint(100, vocab, (batch_size, prompt_len), generator=torch.Generator().manual_seed(7))
     # Requests that finish their prompts in an earlier step decode while the others still prefill: enough new
@@ -117,6 +117,19 @@ def profile_decode_steps(llm, batch_size: int, prompt_len: int, num_steps: int) 
         _step_until_decoding(engine, set(ids))
         for _ in range(_SETTLE_STEPS):
             engine.step()
+    except BaseException:
+        for request_id in ids:
+            engine.abort(request_id)
+        raise
+    return ids
+
+
+def profile_decode_steps(llm, batch_size: int, prompt_len: int, num_steps: int) -> DecodeProfile:
+    """Profile ``num_steps`` decode-only steps of ``batch_size`` sequences after ``prompt_len``-token prompts."""
+    engine = llm.engine
+    device = engine.runner.device
+    ids = decoding_batch(engine, batch_size, prompt_len, num_steps)
+    try:
         wall_s = _timed_steps(engine, num_steps, device)
         counts = _profiled_counts(engine, num_steps, device, _decoder_layers(engine.runner.model))
     finally:

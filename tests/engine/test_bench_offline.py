@@ -6,11 +6,14 @@ device call. Timings are not checked, only that each section ran and printed sen
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from tiny_model import TINY_SHAPE, write_tiny_model
 
 from kvserve.bench import offline
+from kvserve.bench.host_share import STEP_RANGE, device_call_host_share, operator_host_share
 from kvserve.bench.profile import LAYER_RANGE, count_trace, profile_decode_steps
 
 
@@ -125,6 +128,44 @@ def test_count_trace_attributes_kernels_to_layers_and_merges_intervals():
     assert counts.num_unattributed == 1
     assert counts.num_host_launches == 4
     assert counts.kernel_us == pytest.approx(15 + 5 + 6 + 1)
+
+
+def test_bound_by_lines_and_the_host_share_against_the_profiler(tiny_model, capsys):
+    offline.main(["--model", tiny_model, "--baseline", "none", "--batch-sizes", "2", "--prompt-len", "8",
+                  "--max-tokens", "4", "--diagnose", "--diagnose-steps", "3"])  # fmt: skip
+    printed = capsys.readouterr().out
+    bound = [line.strip() for line in printed.splitlines() if line.strip().startswith("bound by:")]
+    kinds = [re.fullmatch(r"bound by: memory bandwidth \d+% \| compute \d+% \| host \d+%  \((\w+): (\d+) steps, "
+                          r"[\d.]+ ms each\)", line).groups() for line in bound]  # fmt: skip
+    assert sorted(kinds) == [("decode", "3"), ("prefill", "1")]  # the row's 4 tokens: one prefill, 3 decode steps
+    assert [row[0] for row in _rows(printed)] == ["2"]
+    shares = re.search(r"batch   2: Python tracer on: diagnosis ([\d.]+)% \| torch.profiler, same definition "
+                       r"([\d.]+)%", printed)  # fmt: skip
+    assert shares is not None and all(0 < float(share) < 100 for share in shares.groups())
+    assert "operators only: diagnosis" in printed and "no profiler: diagnosis" in printed
+
+
+def test_trace_host_shares_count_device_time_inside_the_steps_only():
+    def event(cat, name, ts, dur, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    steps = [event("python_function", "llm_engine.py(230): step", 0, 100),
+             event("python_function", "llm_engine.py(230): step", 200, 100)]  # fmt: skip
+    calls = [
+        event("python_function", "nn.Module: CausalLM_0", 10, 50),
+        event("python_function", "model.py(185): forward", 12, 40),  # inside the module call: counted once
+        event("python_function", "sampler.py(85): __call__", 220, 30),
+        event("python_function", "sampler.py(85): __call__", 120, 30),  # between the steps: not counted
+        event("python_function", "nn.Module: CausalLM_0", 230, 10, tid=2),  # another thread: not counted
+    ]
+    share = device_call_host_share(steps + calls, "llm_engine.py(230): step",
+                                   ("nn.Module: CausalLM_", "model.py(185): forward", "sampler.py(85): __call__"))
+    assert share == pytest.approx(1 - (50 + 30) / 200)
+    ops = [event("user_annotation", STEP_RANGE, 0, 100), event("user_annotation", STEP_RANGE, 200, 100),
+           event("cpu_op", "aten::linear", 10, 40), event("cpu_op", "aten::addmm", 20, 20),  # nested
+           event("cpu_op", "aten::argmax", 90, 20),  # runs past the step's end: 10 of it inside
+           event("cpu_op", "aten::copy_", 250, 10)]  # fmt: skip
+    assert operator_host_share(ops) == pytest.approx(1 - (40 + 10 + 10) / 200)
 
 
 def test_tiny_times_engine_and_transformers_steps_per_batch(capsys):
