@@ -21,8 +21,13 @@ import logging
 import re
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +85,15 @@ def device_peaks(device: torch.device, dtype: torch.dtype, hidden_size: int,
                  bandwidth_gbs: float | None = None, tflops: float | None = None) -> DevicePeaks:  # fmt: skip
     """The peaks of ``device`` for a model of ``hidden_size`` in ``dtype``; flags (GB/s, TFLOP/s) override."""
     return _peaks(str(device), dtype, max(hidden_size, _MIN_GEMM), torch.get_num_threads(), bandwidth_gbs, tflops)
+
+
+def engine_peaks(config: EngineConfig, model_config: ModelConfig) -> DevicePeaks | None:
+    """The peaks of an engine's device (``device_peaks``), or None when its ``step_diagnosis`` is off."""
+    if not config.step_diagnosis:
+        return None
+    device = config.torch_device()
+    return device_peaks(device, config.torch_dtype(device), model_config.hidden_size,
+                        config.peak_memory_bandwidth_gbs, config.peak_tflops)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=8)

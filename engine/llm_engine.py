@@ -32,7 +32,7 @@ import time
 from engine.bundled import resolve_model
 from engine.config import EngineConfig
 from engine.continuation import Continuation, check_continuation, resume
-from engine.device_peaks import device_peaks
+from engine.device_peaks import engine_peaks
 from engine.kv_connector import TRANSFER_EXPIRED, ConnectorChain, KVConnector
 from engine.logprobs import TokenLogprob
 from engine.model_config import ModelConfig
@@ -45,7 +45,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative import build_speculator, keep_accepted
-from engine.step_diagnosis import StepCostModel, StepDiagnosis
+from engine.step_diagnosis import StepDiagnosis
 from engine.structured_output import GrammarCompiler, GrammarState
 from engine.tier_connector import build_tiers
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -63,14 +63,9 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        peaks = None
-        if self.config.step_diagnosis:  # (before the model and the KV pool take their memory)
-            device = self.config.torch_device()
-            peaks = device_peaks(device, self.config.torch_dtype(device), self.model_config.hidden_size,
-                                 self.config.peak_memory_bandwidth_gbs, self.config.peak_tflops)  # fmt: skip
+        peaks = engine_peaks(self.config, self.model_config)  # (before the model and the KV pool take memory)
         self.runner = ModelRunner(path, self.model_config, self.config, frozenset(self.eos_token_ids))
-        self.diagnosis = None if peaks is None else StepDiagnosis(
-            StepCostModel(self.runner.model, self.model_config, self.runner.kv_spec), peaks, self.runner.clock)
+        self.diagnosis = StepDiagnosis.of(self.runner, self.model_config, peaks) if peaks is not None else None
         block_size = self.config.block_size
         if self.config.max_model_len and self.config.max_model_len > self.model_config.max_context:
             raise ValueError(

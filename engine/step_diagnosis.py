@@ -246,6 +246,11 @@ class StepDiagnosis:
         self._keep = 1 - 1 / WINDOW_STEPS
         self._pending: deque[tuple[str, StepCost, float, list]] = deque()  # GPU steps whose events are not done
 
+    @classmethod
+    def of(cls, runner, model_config: ModelConfig, peaks: DevicePeaks) -> StepDiagnosis:
+        """The diagnosis of ``runner``'s (an ``engine.model_runner.ModelRunner``) steps against ``peaks``."""
+        return cls(StepCostModel(runner.model, model_config, runner.kv_spec), peaks, runner.clock)
+
     def count(self, batch: ScheduledBatch) -> StepCost:
         return self.cost_model.count(batch)
 
