@@ -14,7 +14,8 @@
 #   offline        90  kvserve bench offline: a profile of decode steps (launches per layer, GPU busy; eager
 #                      and CUDA graphs), then batches of 1, 64, 256 prompts of 128 tokens, 256 new tokens
 #                      each: the engine against transformers' static cache + torch.compile (which
-#                      compiles per batch size, so batch 256 runs the engine alone, as in issue 8's table)
+#                      compiles per batch size, so batch 256 runs the engine alone, as in issue 8's table);
+#                      each batch's "bound by" line (engine/step_diagnosis.py against the H200's table peaks)
 #   nixl           25  kvserve bench transfer: a 2,048-token KV of that model, VRAM to VRAM between two NIXL
 #                      agents (UCX: cuda_ipc or NVLink on one GPU), and over the grpc transport
 #   nano-vllm      25  nano-vllm's workload (256 requests, 100-1,024 tokens in and out), the engine alone

@@ -10,10 +10,12 @@ setting (``kvserve.bench.tune_replay``: open-loop arrivals on a virtual clock dr
 rates form a ladder of fractions of the default setting's capacity (the workload sent all at once), walked
 upwards until a rate misses the SLO: the rates above it are skipped, as dominated.
 
-The sweep is a coordinate descent from the default configuration, one knob at a time in this order: block
-size, ``max_num_seqs``, ``max_num_batched_tokens``, the KV cache dtype, prefix caching and speculative decoding
-(n-gram, ``num_speculative_tokens``). Each knob's values are tried outwards from the best so far; a direction
-is abandoned at its first value that does not beat the best (dominated), and the best value is kept before
+A setting is better than another when its goodput is higher or, at equal goodput, when it stays further inside
+the SLO there (``Trial.headroom``: 1 - the larger of p99 / SLO). The sweep is a coordinate descent from the
+default configuration, one knob at a time in this order:
+``max_num_batched_tokens``, ``max_num_seqs``, block size, the KV cache dtype, prefix caching and speculative
+decoding (n-gram, ``num_speculative_tokens``). Each knob's values are tried outwards from the best so far; a direction
+is abandoned at its first value that is not better than the best (dominated), and the best value is kept before
 the next knob. The sweep stops at ``--budget`` (say ``90s``, ``10m``, ``1h``); what it did not reach is listed.
 
 With ``--workers N`` (N >= 2) it then splits N workers between prefill and decode: each split is a local
@@ -38,15 +40,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-KNOBS: list[tuple[str, list[Any]]] = [
-    ("block_size", [8, 16, 32]),
-    ("max_num_seqs", [4, 8, 16, 32, 64, 256]),
+KNOBS: list[tuple[str, list[Any]]] = [  # the scheduler's first: they decide the latencies most
     ("max_num_batched_tokens", [256, 512, 1024, 2048, 4096]),
+    ("max_num_seqs", [4, 8, 16, 32, 64, 256]),
+    ("block_size", [8, 16, 32]),
     ("kv_cache_dtype", ["auto", "int8"]),
     ("enable_prefix_caching", [True, False]),
     ("num_speculative_tokens", [0, 2, 4]),
 ]
-RATE_FRACTIONS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.2)  # of the default setting's capacity
+# of the default setting's capacity: finer near it, and above it for the settings that raise it
+RATE_FRACTIONS = (0.25, 0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 @dataclass
@@ -60,6 +63,14 @@ class Trial:
     def at_goodput(self):
         """The point at the goodput's rate; for a setting that met the SLO at no rate, its lowest rate's."""
         return next((p for p in self.points if p.rate == self.goodput), self.points[0] if self.points else None)
+
+    def headroom(self, ttft_p99_s: float, tpot_p99_s: float) -> float:
+        """How far inside the SLO the goodput's rate stays: 1 - the larger of p99 / SLO (TTFT, TPOT); -inf
+        when no rate met it. Of two settings with the same goodput, the one with more headroom is better."""
+        point = self.at_goodput() if self.goodput else None
+        if point is None:
+            return -math.inf
+        return 1 - max(point.p("ttft", 99) / ttft_p99_s, point.p("tpot", 99) / tpot_p99_s)
 
     def row(self) -> dict[str, Any]:
         best = self.at_goodput()
@@ -128,6 +139,11 @@ class Tuner:
             self.progress.update(1)
         return trial
 
+    def better(self, trial: Trial, than: Trial) -> bool:
+        """More goodput; at equal goodput, more headroom inside the SLO."""
+        slo = (self.ttft_p99_s, self.tpot_p99_s)
+        return (trial.goodput, trial.headroom(*slo)) > (than.goodput, than.headroom(*slo))
+
     def sweep(self, default: dict[str, Any]) -> dict[str, Any]:
         """The best setting coordinate descent finds from ``default`` before the deadline; what the deadline
         left unmeasured goes to ``skipped``."""
@@ -143,7 +159,7 @@ class Tuner:
                         i += direction
                         continue
                     trial = self.measure(candidate)
-                    if trial.goodput <= best.goodput:
+                    if not self.better(trial, best):
                         break  # the values further this way are taken as dominated
                     best, i = trial, i + direction
         return best.setting

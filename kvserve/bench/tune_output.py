@@ -122,7 +122,7 @@ def compare(tuner, default: dict[str, Any], chosen: dict[str, Any]) -> dict[str,
 
     sides = {"default": default, "tuned": chosen}
     engines = {side: LLMEngine(**tuner.base, **engine_options(s)) for side, s in sides.items()}
-    goodput, last = dict.fromkeys(sides, 0.0), {}
+    goodput, last, ladders = dict.fromkeys(sides, 0.0), {}, {side: [] for side in sides}
     try:
         for engine in engines.values():
             replay(engine, tuner.requests[:2], math.inf)  # warm-up
@@ -131,12 +131,18 @@ def compare(tuner, default: dict[str, Any], chosen: dict[str, Any]) -> dict[str,
                 if side in last and not last[side].meets(tuner.ttft_p99_s, tuner.tpot_p99_s):
                     continue
                 last[side] = point = replay(engines[side], tuner.requests, rate, seed=i)
+                ladders[side].append(point)
                 if point.meets(tuner.ttft_p99_s, tuner.tpot_p99_s):
                     goodput[side] = rate
     finally:
         for engine in engines.values():
             engine.close()
-    print(report.table(["side by side", "goodput req/s"], [[side, round(g, 4)] for side, g in goodput.items()]))
+    rows = []
+    for side, g in goodput.items():
+        point = next((p for p in reversed(ladders[side]) if p.rate == g), None)
+        figures = [round(point.p(w, 99) * 1e3) for w in ("ttft", "tpot")] if point is not None else ["-", "-"]
+        rows.append([side, round(g, 4), *figures])
+    print(report.table(["side by side", "goodput req/s", "TTFT p99 ms", "TPOT p99 ms"], rows))
     ratio = goodput["tuned"] / goodput["default"] if goodput["default"] else math.inf
     print(f"tuned / default goodput: {ratio:.2f}x")
     return goodput
@@ -152,7 +158,7 @@ def split_workers(args: argparse.Namespace, base: dict[str, Any], chosen: dict[s
     from kvserve.settings import parse_up
 
     config = Path(tempfile.mkdtemp(prefix="kvserve-tune-")) / "engine.yaml"
-    write_config(config, {**engine_options(chosen), "model": base["model"], "device": base["device"]}, None)
+    write_config(config, {**engine_options(chosen), **base}, None)
     best, best_goodput = None, -1.0
     for num_prefill in range(args.workers):
         if tuner.out_of_time():

@@ -6,10 +6,15 @@ waiting and every latency is the engine's own: a request's TTFT is from its arri
 that made its first token (arrivals during a step wait for the next one, as they would in a worker), its TPOT
 the mean time per output token after the first. Requests decode greedily with EOS ignored, so each runs to
 its ``max_tokens``; their KV use is sampled after every step, against the sequences running then.
+
+Each replay's prompts begin with a token (or, for text, a line) of their own, so that no replay finds the
+prompts of an earlier one in the engine's prefix cache: what is shared inside one replay (``shared-prefix``'s
+system prompts) stays shared, and every rate of a ladder runs on the same engine as cold as the first.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
@@ -19,6 +24,9 @@ import numpy as np
 
 from engine import LLMEngine, SamplingParams
 from kvserve.bench.loadgen import BenchRequest, arrival_gaps
+
+_SALTS = itertools.count(1)
+_FIRST_SALT_TOKEN = 100  # clear of the special tokens at the bottom of the vocabulary (as the datasets are)
 
 
 @dataclass
@@ -64,6 +72,7 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], rate: float, seed: i
     arrivals = list(np.cumsum([next(gaps) for _ in requests]))
     bytes_per_block = engine.runner.kv_cache.spec.bytes_per_block()
     pool = engine.block_manager.pool
+    salt = next(_SALTS)
     point, clock, sent = RatePoint(rate), 0.0, 0
     arrived: dict[str, float] = {}
     first_token: dict[str, float] = {}
@@ -73,7 +82,9 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], rate: float, seed: i
         while sent < len(requests) and arrivals[sent] <= clock:
             request = requests[sent]
             params = SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True)
-            arrived[engine.add_request(request.prompt, params, f"tune-{sent}")] = arrivals[sent]
+            prompt = f"[{salt}]\n{request.prompt}" if isinstance(request.prompt, str) else [
+                _FIRST_SALT_TOKEN + salt % (engine.model_config.vocab_size - _FIRST_SALT_TOKEN), *request.prompt]
+            arrived[engine.add_request(prompt, params, f"tune-{salt}-{sent}")] = arrivals[sent]
             sent += 1
         start = time.perf_counter()
         outputs = engine.step()

@@ -37,7 +37,7 @@ def test_the_replay_jumps_over_idle_time_and_times_each_request_from_its_arrival
 def _fake_measure(goodputs: dict[tuple, float], measured: list[dict]):
     def measure(self, setting, rates=None):
         measured.append(dict(setting))
-        key = tuple(setting[k] for k in ("block_size", "max_num_seqs"))
+        key = tuple(setting[k] for k in ("max_num_batched_tokens", "max_num_seqs"))
         trial = tune.Trial(dict(setting), [RatePoint(1.0)], goodputs.get(key, 0.5))
         self.trials.append(trial)
         return trial
@@ -46,17 +46,18 @@ def _fake_measure(goodputs: dict[tuple, float], measured: list[dict]):
 
 
 def test_coordinate_descent_keeps_the_best_and_never_measures_a_dominated_value(monkeypatch):
-    # block size: 16 (default) 0.5 req/s, 32 is better, 8 worse; max_num_seqs: 64 is the best at block 32
-    goodputs = {(16, 256): 0.5, (32, 256): 0.8, (8, 256): 0.3, (32, 64): 1.0, (32, 32): 0.9}
+    # max_num_batched_tokens: 4096 (default) 0.5 req/s, 2048 better, 1024 worse; max_num_seqs: 64 the best at 2048
+    goodputs = {(4096, 256): 0.5, (2048, 256): 0.8, (1024, 256): 0.7, (2048, 64): 1.0, (2048, 32): 0.9}
     measured: list[dict] = []
     monkeypatch.setattr(tune.Tuner, "measure", _fake_measure(goodputs, measured))
     tuner = tune.Tuner({}, [], 1.0, 1.0, deadline=math.inf)
     chosen = tuner.sweep(tune.default_setting())
-    assert (chosen["block_size"], chosen["max_num_seqs"]) == (32, 64)
-    at_block_32 = {**tune.default_setting(), "block_size": 32}
+    assert (chosen["max_num_batched_tokens"], chosen["max_num_seqs"]) == (2048, 64)
+    at_2048 = {**tune.default_setting(), "max_num_batched_tokens": 2048}
     seqs_tried = [s["max_num_seqs"] for s in measured
-                  if s["max_num_seqs"] != 256 and s == {**at_block_32, "max_num_seqs": s["max_num_seqs"]}]
+                  if s["max_num_seqs"] != 256 and s == {**at_2048, "max_num_seqs": s["max_num_seqs"]}]
     assert seqs_tried == [64, 32]  # downwards from 256: 64 beats it, 32 does not, so 16, 8, 4 are dominated
+    assert [s["max_num_batched_tokens"] for s in measured[:3]] == [4096, 2048, 1024]  # 512, 256: dominated
     assert not tuner.skipped
 
 
