@@ -93,7 +93,8 @@ def reference(task_manager, model_dir):
     return _samples(results)
 
 
-@pytest.mark.parametrize("batch_size", [1, 4])
+# batch 1 on demand (pytest -m soak): batch 4 goes through the same requests, several prompts in each
+@pytest.mark.parametrize("batch_size", [pytest.param(1, marks=pytest.mark.soak), 4])
 def test_local_completions_give_the_hf_backends_loglikelihoods_and_generations(served, task_manager, model_dir,
                                                                                reference, batch_size):  # fmt: skip
     model_args = {"base_url": f"{served.http_endpoint}/v1/completions", "model": served.model_name,

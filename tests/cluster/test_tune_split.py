@@ -7,11 +7,14 @@ from __future__ import annotations
 import argparse
 import math
 
+import pytest
+
 from kvserve.bench import tune
 from kvserve.bench.datasets import random_requests
 from kvserve.bench.tune_output import split_workers, write_config
 
 
+@pytest.mark.soak  # two clusters, one after the other: on demand (pytest -m soak tests/cluster/test_tune_split.py)
 def test_each_split_is_a_real_cluster_and_the_best_one_is_kept(tiny_model_dir, tmp_path, capsys):
     requests = random_requests(4, 24, 4, 0.0, 1000)
     base = {"model": str(tiny_model_dir), "device": "cpu", "skip_tokenizer_init": True}

@@ -26,7 +26,8 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 USER = {"role": "user", "content": "What is the weather in Paris?"}
 # Forces a Hermes call in the model's own text, so that auto's reading is tested on a known answer
-HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "unit": "C"\}\}\n</tool_call>'
+HERMES_CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": '
+               r'\{"city": "(Paris|Rome)", "unit": "C"\}\}\n</tool_call>')
 
 
 class GetWeather(BaseModel):
@@ -51,7 +52,7 @@ def _create(client, **fields):
 
 
 def test_required_calls_parse_against_the_schema_and_a_call_round_trips(client, stack):
-    for temperature, seed in ((0, None), (1.0, 5), (1.0, 6)):
+    for temperature, seed in ((0, None), (1.0, 5)):
         reply = _create(client, tools=[WEATHER, TIME], tool_choice="required", temperature=temperature, seed=seed)
         choice = reply.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None

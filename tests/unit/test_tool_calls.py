@@ -101,7 +101,8 @@ def test_tool_choice_decides_what_is_rendered_and_what_is_enforced():
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "minProperties": "x"}}}],
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                           "minProperties": "x"}}}],
       "tool_choice": "required"}, "tools.0.function.parameters"),
 ])  # fmt: skip
 def test_a_tool_choice_that_cannot_be_served_is_refused_naming_the_field(fields, param):
