@@ -22,8 +22,9 @@ from typing import Any
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from router import openai_protocol as api
 from router.openai_logprobs import Choice, TokenText
-from router.openai_tools import Call, ToolCallStream, ToolPlan, parse
+from router.openai_tools import Call, ToolPlan, parse
 from router.server import RouteError
+from router.tool_call_stream import ToolCallStream
 
 
 class Choices:

@@ -14,7 +14,8 @@ from engine.tokenizer import Tokenizer
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from router.openai_fields import FieldError
 from router.openai_protocol import ChatCompletionRequest
-from router.openai_tools import ToolCallStream, parse
+from router.openai_tools import parse
+from router.tool_call_stream import ToolCallStream
 from rpc.chat import MAX_TOOLS, chat_messages, encode_chat, tool_call_format
 from rpc.requests import build_request
 
