@@ -6,13 +6,13 @@ processed (``engine.logits_processors``: bias, ``min_tokens``, penalties), the r
 lose the tokens their grammar does not allow next (``engine.structured_output``: a bitmask per row, filled on
 the host and sent in the same copy), and the sampling rows are scaled
 by their temperature, filtered (min-p, top-k, then the top-p nucleus, with one batched sort shared by every
-row when any row asks for a filter) and drawn by the Gumbel-max trick (``kernels.gumbel_argmax``: one fused
+row when any row asks for a filter) and drawn by the Gumbel-max trick (``kvkernels.gumbel_argmax``: one fused
 pass over the logits on a GPU, its noise made in registers). Rows that ask for log-probabilities get them
 from the unprocessed logits (``engine.logprobs``). Nothing here waits for the device: the caller makes the
 device-to-host copies.
 
 Randomness is counter-based. The noise for token ``t`` of a row is a hash of (the request's stream seed, the
-position it samples, ``t``), splitmix64 as ``kernels.reference.uniform_noise`` defines it, so a row's draw never
+position it samples, ``t``), splitmix64 as ``kvkernels.reference.uniform_noise`` defines it, so a row's draw never
 depends on which other requests share its batch, and a worker that continues a request at position ``P + 1``
 continues the same stream as the one that sampled ``P``. A request that brought no seed gets a stream seed
 drawn from the sampler's own seeded RNG when it is created (``stream_seed``), so a whole engine run is
@@ -29,7 +29,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-import kernels
+import kvkernels
 from engine.input_batch import StagingBuffer
 from engine.logits_processors import LogitsProcessors
 from engine.logprobs import LogprobTensors
@@ -134,7 +134,7 @@ class Sampler:
         scaled = logits[rows_idx] / temperatures[:, None]  # (sampling rows, vocab)
         if filtered:
             scaled = _filter(scaled, top_k_t, top_p_t, min_p_t)
-        drawn = kernels.gumbel_argmax(scaled, seeds, sampled_at)
+        drawn = kvkernels.gumbel_argmax(scaled, seeds, sampled_at)
         if len(sampling) == len(seqs):
             return drawn
         tokens = logits.argmax(-1)

@@ -19,7 +19,7 @@ layers of a model that slide in only some of its layers (Qwen2's ``max_window_la
 layers need every key.
 
 The kernels take the same geometry as one int32 row per sequence (``kernel_row``, the layout of
-``kernels.reference``'s ``ring``); a sequence without a window in a batch that has windowed ones gets
+``kvkernels.reference``'s ``ring``); a sequence without a window in a batch that has windowed ones gets
 ``FULL_RING_ROW``, which sees every key through the identity mapping.
 """
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 # the kernels' per-sequence ring rows: their columns, and the row of a sequence without a window
-from kernels.reference import FULL_RING_ROW, RING_BLOCKS, RING_SINK_BLOCKS, RING_SINKS, RING_WINDOW, UNBOUNDED
+from kvkernels.reference import FULL_RING_ROW, RING_BLOCKS, RING_SINK_BLOCKS, RING_SINKS, RING_WINDOW, UNBOUNDED
 
 __all__ = ["FULL_RING_ROW", "UNBOUNDED", "RingSpec", "check_streaming", "sink_query_positions", "table_columns"]
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+import kvkernels
 from kvstore import LayerKV
 
 
@@ -63,21 +63,21 @@ def paged_attention(
     rotated at their positions inside their caches) the layer attends over ``meta.ring``'s windows.
     """
     scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale}
-    kernels.store_kvcache(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, **scales)
+    kvkernels.store_kvcache(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, **scales)
     nd = meta.num_decodes
     windows = ({}, {}) if q_sink is None else (
         {"q_sink": q_sink[:nd], "ring": meta.ring.rows[:nd]}, {"q_sink": q_sink[nd:], "ring": meta.ring.rows[nd:]}
     )  # fmt: skip
     if nd == meta.num_seqs:
-        return kernels.paged_decode_attention(
+        return kvkernels.paged_decode_attention(
             q, kv.k_cache, kv.v_cache, meta.block_tables, meta.seq_lens, scale, **scales, **windows[0]
         )
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = kernels.paged_decode_attention(
+        out[:nd] = kvkernels.paged_decode_attention(
             q[:nd], kv.k_cache, kv.v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, **scales, **windows[0]
         )
-    out[nd:] = kernels.paged_prefill_attention(
+    out[nd:] = kvkernels.paged_prefill_attention(
         q[nd:], k[nd:], v[nd:], kv.k_cache, kv.v_cache,
         meta.block_tables[nd:], meta.cu_seqlens_q[nd:] - nd, meta.seq_lens[nd:], scale,
         max_q_len=meta.max_q_len, **scales, **windows[1],

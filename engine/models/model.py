@@ -18,7 +18,7 @@ sequences; ``AttentionMetadata`` tells attention which rows belong together.
 Sliding windows (Mistral, Phi-3, Gemma 3's local layers) are the ring of blocks of ``kvstore.ring``: the
 layers in ``sliding_window_layers`` attend over ``meta.ring``'s windows, the others over every key.
 
-The element-wise work goes through ``kernels`` (fused Triton kernels on CUDA,
+The element-wise work goes through ``kvkernels`` (fused Triton kernels on CUDA,
 the PyTorch references elsewhere), so that a Llama decode step launches per layer:
 the QKV GEMM, rotary (q and k together), the KV store, decode attention (plus
 its reduction when split), o_proj, residual-add + RMSNorm, the gate/up GEMM,
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+import kvkernels
 from engine.model_config import ModelConfig
 from engine.models.attention import AttentionMetadata, paged_attention
 from engine.models.moe import SparseMoE
@@ -49,11 +49,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``x``, ``residual`` ``(tokens, hidden)`` -> (normalized ``x + residual``, ``x + residual``)."""
-        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        return kvkernels.add_rms_norm(x, residual, self.weight, self.eps)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dim of ``x (..., dim)``, without a residual."""
-        return kernels.add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)[0].view(x.shape)
+        return kvkernels.add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)[0].view(x.shape)
 
 
 class Attention(nn.Module):
@@ -97,9 +97,9 @@ class Attention(nn.Module):
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE of q and k, of each head's leading ``rotary_dim`` dims only under partial rotary."""
         if self.rotary_dim == self.head_dim:
-            return kernels.rotary_embedding(q, k, cos_sin)
+            return kvkernels.rotary_embedding(q, k, cos_sin)
         d = self.rotary_dim
-        q_rot, k_rot = kernels.rotary_embedding(q[..., :d], k[..., :d], cos_sin)  # (tokens, heads, d)
+        q_rot, k_rot = kvkernels.rotary_embedding(q[..., :d], k[..., :d], cos_sin)  # (tokens, heads, d)
         return torch.cat([q_rot, q[..., d:]], dim=-1), torch.cat([k_rot, k[..., d:]], dim=-1)
 
 
@@ -119,7 +119,7 @@ class MLP(nn.Module):
         if self.gelu:
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        return self.down_proj(kernels.silu_and_mul(gate_up))
+        return self.down_proj(kvkernels.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
+import kvkernels
 from engine.model_config import ModelConfig
 
 
@@ -51,7 +51,7 @@ class Experts(nn.Module):
         -> ``(pairs, hidden)``."""
         # (a transposed view: the GEMM reads each expert's matrix as F.linear does, so the bits are the same)
         gate_up = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=group_ends)  # (pairs, 2 * I)
-        return torch._grouped_mm(kernels.silu_and_mul(gate_up), self.down_proj.transpose(1, 2), offs=group_ends)
+        return torch._grouped_mm(kvkernels.silu_and_mul(gate_up), self.down_proj.transpose(1, 2), offs=group_ends)
 
 
 class SparseMoE(nn.Module):

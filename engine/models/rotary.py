@@ -84,7 +84,7 @@ class RotaryEmbedding(nn.Module):
         return cos_sin if self.scale == 1.0 else cos_sin * self.scale
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        """``positions (tokens,)`` -> ``cos_sin (tokens, rotary_dim)``, the layout ``kernels.rotary_embedding``
+        """``positions (tokens,)`` -> ``cos_sin (tokens, rotary_dim)``, the layout ``kvkernels.rotary_embedding``
         takes."""
         return self.cos_sin[positions]
 

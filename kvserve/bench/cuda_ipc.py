@@ -75,7 +75,7 @@ def measure_hand_off(spec: KVCacheSpec, num_tokens: int, repeats: int = 20) -> H
 
 
 def _time_stores(spec: KVCacheSpec, num_blocks: int, handle: bytes, num_tokens: int, repeats: int) -> HandOff:
-    import kernels
+    import kvkernels
     from transfer.cuda_ipc import open_cuda_ipc_pool
 
     remote = open_cuda_ipc_pool(spec, num_blocks, handle)
@@ -86,7 +86,7 @@ def _time_stores(spec: KVCacheSpec, num_blocks: int, handle: bytes, num_tokens: 
 
     def hand_off() -> None:
         for layer in remote.layers:
-            kernels.store_kvcache(k, v, layer.k_cache, layer.v_cache, slots, k_scale=layer.k_scale,
+            kvkernels.store_kvcache(k, v, layer.k_cache, layer.v_cache, slots, k_scale=layer.k_scale,
                                   v_scale=layer.v_scale)  # fmt: skip
 
     nbytes = 2 * k.numel() * k.element_size() * spec.num_layers

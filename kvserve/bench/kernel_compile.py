@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from kernels import activation, decode_attention, norm, prefill_attention, rotary, sampling, store_kv
+from kvkernels import activation, decode_attention, norm, prefill_attention, rotary, sampling, store_kv
 
 _POINTER_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int8: "*i8",
                   torch.int32: "*i32", torch.int64: "*i64"}  # fmt: skip

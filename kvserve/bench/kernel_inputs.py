@@ -28,7 +28,7 @@ def paged_copy(k: torch.Tensor, v: torch.Tensor, generator: torch.Generator):
 
 def quantize_cache(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A paged cache as INT8 values ``[blocks, block_size, heads, d]`` and per-token, per-head scales."""
-    from kernels.reference import quantize_int8
+    from kvkernels.reference import quantize_int8
 
     values, scales = quantize_int8(cache.flatten(0, 1))
     return values.view(cache.shape), scales.view(cache.shape[:3])

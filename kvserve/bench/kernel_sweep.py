@@ -62,8 +62,8 @@ def bench_sweep(kv_dtype: str, batch: int, ctx: int, num_q_heads: int = 32, num_
                 head_dim: int = 128) -> SweepResult:  # fmt: skip
     """Time every config of ``SWEEP_GRID`` with one split and with the heuristic's splits on one shape and KV
     cache dtype (``auto``: bf16); print the fastest first and where the shipped config ranks."""
-    from kernels.decode_attention import paged_decode_attention
-    from kernels.decode_config import choose_num_splits, count_sms, default_tile_config
+    from kvkernels.decode_attention import paged_decode_attention
+    from kvkernels.decode_config import choose_num_splits, count_sms, default_tile_config
 
     generator = torch.Generator().manual_seed(3)
     q = torch.randn(batch, num_q_heads, head_dim, generator=generator).to(inputs.DEVICE, inputs.DTYPE)
@@ -136,13 +136,13 @@ def print_table_entries(results: list[SweepResult], gpu: str) -> None:
     """``_MEASURED_CONFIGS`` entries for this GPU, ready to paste: per (head dim, KV cache dtype), the config
     with the lowest mean slowdown against each swept shape's best, at the heuristic's splits (as the engine
     runs it), with the figures that chose it."""
-    from kernels.tiles import padded
+    from kvkernels.tiles import padded
 
     by_key: dict[tuple[int, str], list[SweepResult]] = {}
     for r in results:
         if r.best() is not None:
             by_key.setdefault((padded(r.shape[4]), r.kv_dtype), []).append(r)
-    print(f"\nmeasured entries for _MEASURED_CONFIGS in kernels/decode_config.py ({gpu}):")
+    print(f"\nmeasured entries for _MEASURED_CONFIGS in kvkernels/decode_config.py ({gpu}):")
     print(f'    "{gpu}": {{')
     for (head_dim, kv_dtype), sweeps in by_key.items():
         config = min(SWEEP_GRID, key=lambda c, sweeps=sweeps: _mean_slowdown(c, sweeps))

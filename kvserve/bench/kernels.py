@@ -42,8 +42,8 @@ def _fits(num_bytes: int) -> bool:
 def bench_decode(batches, contexts, layouts) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    import kernels
-    from kernels.decode_config import choose_num_splits, count_sms, default_tile_config
+    import kvkernels
+    from kvkernels.decode_config import choose_num_splits, count_sms, default_tile_config
 
     def sdpa(q, k, v, scale):  # q [batch, q_heads, 1, d], k/v [batch, kv_heads, ctx, d]
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -67,7 +67,7 @@ def bench_decode(batches, contexts, layouts) -> None:
                 seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=inputs.DEVICE)
                 scale = head_dim**-0.5
                 ours = functools.partial(
-                    kernels.paged_decode_attention, q, k_cache, v_cache, block_tables, seq_lens, scale
+                    kvkernels.paged_decode_attention, q, k_cache, v_cache, block_tables, seq_lens, scale
                 )
                 theirs = functools.partial(sdpa, q[:, :, None, :], k, v, scale)
                 ours_us = _bench(ours)
@@ -86,7 +86,7 @@ def bench_decode(batches, contexts, layouts) -> None:
 
 
 def bench_int8(batch: int, ctx: int, layouts) -> None:
-    import kernels
+    import kvkernels
 
     print(f"\nINT8 KV vs bf16 decode, batch {batch}, context {ctx}")
     print(f"{'heads':>8} {'d':>4} {'kv dtype':>8} {'us':>9} {'TB/s':>6} {'vs bf16':>8}")
@@ -111,7 +111,7 @@ def bench_int8(batch: int, ctx: int, layouts) -> None:
         }
         bf16_us = None
         for name, (kc, vc, ks, vs, token_bytes) in variants.items():
-            us = _bench(functools.partial(kernels.paged_decode_attention, q, kc, vc, block_tables, seq_lens,
+            us = _bench(functools.partial(kvkernels.paged_decode_attention, q, kc, vc, block_tables, seq_lens,
                                           head_dim**-0.5, k_scale=ks, v_scale=vs))  # fmt: skip
             bf16_us = bf16_us or us
             print(f"{num_q_heads:>3}:{num_kv_heads:<4} {head_dim:>4} {name:>8} {us:9.1f} "
@@ -121,7 +121,7 @@ def bench_int8(batch: int, ctx: int, layouts) -> None:
 
 
 def bench_store(num_tokens: int = 16384, num_kv_heads: int = 8, head_dim: int = 128) -> None:
-    import kernels
+    import kvkernels
 
     print(f"\nstore_kvcache, {num_tokens} tokens, {num_kv_heads} kv heads, d {head_dim}, bf16 (vs a plain copy)")
     generator = torch.Generator().manual_seed(2)
@@ -141,7 +141,7 @@ def bench_store(num_tokens: int = 16384, num_kv_heads: int = 8, head_dim: int = 
         v_cache = torch.empty(shape, dtype=torch.int8 if name != "bf16" else inputs.DTYPE, device=inputs.DEVICE)
         k_scale = torch.empty(shape[:3], device=inputs.DEVICE) if name == "int8" else None
         v_scale = torch.empty(shape[:3], device=inputs.DEVICE) if name != "bf16" else None
-        us = _bench(functools.partial(kernels.store_kvcache, k, v, k_cache, v_cache, slots, k_scale=k_scale,
+        us = _bench(functools.partial(kvkernels.store_kvcache, k, v, k_cache, v_cache, slots, k_scale=k_scale,
                                       v_scale=v_scale))  # fmt: skip
         print(f"{'store ' + name:>14} {us:8.1f} {moved / us / 1e6:6.2f} {copy_us / us:7.2f}x"
               + ("" if name == "bf16" else "  (TB/s counts bf16 bytes)"))  # fmt: skip

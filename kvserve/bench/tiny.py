@@ -13,7 +13,7 @@ bookkeeping, staging inputs, outputs), the cost that caps a GPU's throughput whe
   step fed back by argmax (``generate``'s loop without its logits processors: the stricter peer);
 * the engine's *host work*: its step minus the time inside its model's forward and logits (a wrapper on
   ``runner.model`` adds them up), per sequence;
-* the attention line: ``kernels.reference.paged_decode_attention`` against SDPA over K/V already gathered
+* the attention line: ``kvkernels.reference.paged_decode_attention`` against SDPA over K/V already gathered
   contiguously (what transformers attends over), at the largest batch.
 
 Timings read ``CLOCK`` (wall time, or CPU time). The two sides alternate every round, first one then the
@@ -128,7 +128,7 @@ def attention_vs_sdpa_s(batch: int, length: int, repeats: int = 20) -> tuple[flo
     with the tiny model's heads (4 query, 2 KV, dim 16) and 16-token blocks, each sequence ``length`` long."""
     import torch.nn.functional as F
 
-    from kernels import reference
+    from kvkernels import reference
 
     heads, kv_heads, dim, block = 4, 2, 16, 16
     blocks_per_seq = -(-length // block)

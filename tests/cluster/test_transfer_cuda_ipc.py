@@ -37,7 +37,7 @@ OWNER = textwrap.dedent(
 
 
 def test_second_process_writes_into_exported_pool():
-    import kernels
+    import kvkernels
     from kvstore import KVCacheSpec
     from protos.kvserve.v1 import kvserve_pb2 as pb
     from transfer.cuda_ipc import CudaIpcTransport
@@ -54,7 +54,7 @@ def test_second_process_writes_into_exported_pool():
         v = torch.full_like(k, -2.0)
         slots = torch.cat([torch.arange(5 * 16, 6 * 16), torch.arange(9 * 16, 10 * 16)]).cuda()
         layer = remote.layers[3]
-        kernels.store_kvcache(k, v, layer.k_cache, layer.v_cache, slots)
+        kvkernels.store_kvcache(k, v, layer.k_cache, layer.v_cache, slots)
         torch.cuda.synchronize()
         mine = asyncio.run(transport.finish("r", [5, 9], transport.take(remote, [5, 9])))
         owner.stdin.write("done\n")

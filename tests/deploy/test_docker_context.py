@@ -16,7 +16,7 @@ ALLOW_LIST_OF_NINE = """*
 !README.md
 !engine/
 !kvstore/
-!kernels/
+!kvkernels/
 !kvserve/
 !protos/
 !prefill_service/

@@ -1,6 +1,6 @@
 """The engine on each device, on a random model of Qwen2-0.5B's width (14:2 heads, d 64, q/k/v biases).
 
-On CUDA the attention runs in the Triton kernels (``kernels.use_triton``), on the
+On CUDA the attention runs in the Triton kernels (``kvkernels.use_triton``), on the
 CPU in the PyTorch references; the CUDA cases are marked ``gpu`` and run on the
 GPU machine, which cannot download real weights. The CPU cases check the same
 test code in the normal suite. Checks: fp32 greedy equals transformers; batched
@@ -17,7 +17,7 @@ import pytest
 import torch
 from engine_testing import forward_tokens
 
-import kernels
+import kvkernels
 from engine import LLM, SamplingParams
 
 NEW_TOKENS = 16
@@ -81,7 +81,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 @torch.inference_mode()
 def test_fp32_greedy_equals_transformers(model_dir, hf_model, prompts, device):
     llm = _llm(model_dir, device)
-    assert kernels.use_triton(llm.engine.runner.device) == (device == "cuda")
+    assert kvkernels.use_triton(llm.engine.runner.device) == (device == "cuda")
     for prompt in prompts:
         (out,) = llm.generate([prompt], GREEDY)
         ids = torch.tensor([prompt], device=device)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import reference
+from kvkernels import reference
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -36,8 +36,8 @@ def interpreted_triton():
         yield
 
 
-_KERNEL_MODULES = ("kernels.tiles", "kernels.store_kv", "kernels.decode_attention", "kernels.prefill_attention",
-                   "kernels.norm", "kernels.rotary", "kernels.activation", "kernels.sampling")  # fmt: skip
+_KERNEL_MODULES = ("kvkernels.tiles", "kvkernels.store_kv", "kvkernels.decode_attention", "kvkernels.prefill_attention",
+                   "kvkernels.norm", "kvkernels.rotary", "kvkernels.activation", "kvkernels.sampling")  # fmt: skip
 
 
 def _import_interpreted_triton() -> None:

@@ -55,7 +55,7 @@ def test_sweep_of_each_cache_prints_ratios_and_table_entries(tiny_bench, capsys)
 
 def test_measured_configs_apply_to_their_gpu_only(monkeypatch):
     triton_ops()
-    from kernels import decode_config
+    from kvkernels import decode_config
 
     h200 = torch.device("cuda", 0)
     monkeypatch.setattr(decode_config, "gpu_keys", lambda device: ("NVIDIA H200", "sm_90") if device else ())

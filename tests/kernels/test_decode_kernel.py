@@ -11,8 +11,8 @@ from paged_kv_testing import (  # noqa: F401  (interpreted_triton: an autouse fi
     triton_ops,
 )
 
-import kernels
-from kernels import reference
+import kvkernels
+from kvkernels import reference
 
 # INT8 error bound vs the full-precision reference (unit-normal q, K, V; scale 1/sqrt(head_dim)):
 #   |out - out_fp| <= max(v_scale) / 2 + FP16_ROUNDING + K_PERTURBATION.
@@ -101,7 +101,7 @@ def test_decode_int8_cache_within_bound(kv_cache_dtype, group, head_dim, block_s
 
 
 def test_public_api_runs_triton():
-    """``kernels.paged_decode_attention`` takes the Triton path here: bit-identical to the kernel."""
+    """``kvkernels.paged_decode_attention`` takes the Triton path here: bit-identical to the kernel."""
     generator = torch.Generator().manual_seed(3)
     kv = make_paged_kv([5, 50], block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float16, generator=generator)
     q = random_tensor(2, 6, 64, dtype=torch.float16, generator=generator)
@@ -109,8 +109,8 @@ def test_public_api_runs_triton():
 
     ops = triton_ops()
 
-    assert kernels.use_triton(q.device)
-    assert torch.equal(kernels.paged_decode_attention(*args), ops.decode(*args))
+    assert kvkernels.use_triton(q.device)
+    assert torch.equal(kvkernels.paged_decode_attention(*args), ops.decode(*args))
 
 
 @pytest.mark.parametrize(
@@ -141,7 +141,7 @@ def test_decode_large_on_gpu(num_q_heads, num_kv_heads, head_dim, kv_cache_dtype
     q = random_tensor(len(seq_lens), num_q_heads, head_dim, dtype=dtype, generator=generator)
     args = (q, kv.k, kv.v, kv.block_tables, kv.seq_lens, head_dim**-0.5)
 
-    assert kernels.use_triton(q.device)
-    out = kernels.paged_decode_attention(*args, k_scale=kv.k_scale, v_scale=kv.v_scale)
+    assert kvkernels.use_triton(q.device)
+    out = kvkernels.paged_decode_attention(*args, k_scale=kv.k_scale, v_scale=kv.v_scale)
 
     assert_matches(out, reference.paged_decode_attention(*args, k_scale=kv.k_scale, v_scale=kv.v_scale))

@@ -2,7 +2,7 @@
 
 Each Triton kernel runs interpreted on the CPU (compiled on a GPU) at small,
 odd shapes, in fp16 and fp32 (the interpreter's bf16 arithmetic is wrong), and
-is checked twice: against ``kernels.reference`` and against an independent
+is checked twice: against ``kvkernels.reference`` and against an independent
 formula (transformers' own RMSNorm and ``apply_rotary_pos_emb``, a float64
 SwiGLU). The GPU test counts the kernels an eager decode step launches per layer.
 """
@@ -20,8 +20,8 @@ from paged_kv_testing import (  # noqa: F401  (interpreted_triton: an autouse fi
     triton_ops,
 )
 
-import kernels
-from kernels import reference
+import kvkernels
+from kvkernels import reference
 
 DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.float32, id="fp32")]
 
@@ -58,7 +58,7 @@ def test_add_rms_norm(dtype, num_tokens, hidden, with_residual):
     residual = random_tensor(num_tokens, hidden, dtype=dtype, generator=generator) if with_residual else None
     weight = 1 + 0.1 * random_tensor(hidden, dtype=dtype, generator=generator)
 
-    normed, summed = _module("kernels.norm").add_rms_norm(x, residual, weight, 1e-6)
+    normed, summed = _module("kvkernels.norm").add_rms_norm(x, residual, weight, 1e-6)
     expected_normed, expected_sum = reference.add_rms_norm(x, residual, weight, 1e-6)
 
     assert_matches(normed, expected_normed)
@@ -74,7 +74,7 @@ def test_add_rms_norm_reads_strided_rows_and_empty_batches():
     wide = random_tensor(4, 200, dtype=torch.float32, generator=generator)
     x, residual = wide[:, :96], wide[:, 100:196]  # row stride 200
     weight = random_tensor(96, dtype=torch.float32, generator=generator)
-    norm = _module("kernels.norm")
+    norm = _module("kvkernels.norm")
 
     normed, summed = norm.add_rms_norm(x, residual, weight, 1e-5)
 
@@ -116,7 +116,7 @@ def test_rotary_embedding(dtype, num_q_heads, num_kv_heads, head_dim):
     cos_sin = _cos_sin(num_tokens, head_dim, generator)
     before = qkv.clone()
 
-    q_rot, k_rot = _module("kernels.rotary").rotary_embedding(q, k, cos_sin)
+    q_rot, k_rot = _module("kvkernels.rotary").rotary_embedding(q, k, cos_sin)
 
     expected_q, expected_k = reference.rotary_embedding(q, k, cos_sin)
     assert_matches(q_rot, expected_q)
@@ -132,7 +132,7 @@ def test_rotary_rejects_mismatched_shapes():
     q = torch.zeros(2, 4, 64, device=DEVICE)
     k = torch.zeros(2, 2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="head_dim"):
-        _module("kernels.rotary").rotary_embedding(q, k, torch.zeros(2, 32, device=DEVICE))
+        _module("kvkernels.rotary").rotary_embedding(q, k, torch.zeros(2, 32, device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -141,7 +141,7 @@ def test_silu_and_mul(dtype, num_tokens, intermediate):
     generator = torch.Generator().manual_seed(intermediate)
     gate_up = random_tensor(num_tokens, 2 * intermediate, dtype=dtype, generator=generator) * 4
 
-    out = _module("kernels.activation").silu_and_mul(gate_up)
+    out = _module("kvkernels.activation").silu_and_mul(gate_up)
 
     assert_matches(out, reference.silu_and_mul(gate_up))
     gate, up = gate_up.double().chunk(2, dim=-1)
@@ -157,10 +157,10 @@ def test_public_entry_points_dispatch_to_the_triton_kernels():
     cos_sin = _cos_sin(2, 64, generator)
     norm, rotary, activation = (_module(f"kernels.{name}") for name in ("norm", "rotary", "activation"))
 
-    assert kernels.use_triton(x.device)
-    assert torch.equal(kernels.add_rms_norm(x, x, weight, 1e-6)[0], norm.add_rms_norm(x, x, weight, 1e-6)[0])
-    assert torch.equal(kernels.rotary_embedding(q, q, cos_sin)[0], rotary.rotary_embedding(q, q, cos_sin)[0])
-    assert torch.equal(kernels.silu_and_mul(x), activation.silu_and_mul(x))
+    assert kvkernels.use_triton(x.device)
+    assert torch.equal(kvkernels.add_rms_norm(x, x, weight, 1e-6)[0], norm.add_rms_norm(x, x, weight, 1e-6)[0])
+    assert torch.equal(kvkernels.rotary_embedding(q, q, cos_sin)[0], rotary.rotary_embedding(q, q, cos_sin)[0])
+    assert torch.equal(kvkernels.silu_and_mul(x), activation.silu_and_mul(x))
 
 
 MAX_LAUNCHES_PER_LAYER = 12

@@ -15,8 +15,8 @@ from paged_kv_testing import (  # noqa: F401  (interpreted_triton: an autouse fi
     triton_ops,
 )
 
-import kernels
-from kernels import reference
+import kvkernels
+from kvkernels import reference
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,37 +35,37 @@ def test_cpu_tests_really_run_interpreted_triton_kernels():
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     assert all(isinstance(kernel, InterpretedFunction) for kernel in triton_ops().kernels)
-    assert kernels.use_triton(torch.device("cpu"))
+    assert kvkernels.use_triton(torch.device("cpu"))
 
 
 def test_cpu_without_interpreter_runs_the_reference(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     args = _decode_args(torch.device("cpu"))
 
-    assert not kernels.use_triton(torch.device("cpu"))
-    assert torch.equal(kernels.paged_decode_attention(*args), reference.paged_decode_attention(*args))  # same call
+    assert not kvkernels.use_triton(torch.device("cpu"))
+    assert torch.equal(kvkernels.paged_decode_attention(*args), reference.paged_decode_attention(*args))  # same call
 
 
 def test_interpreter_flag_routes_cpu_tensors_to_triton():
     args = _decode_args(torch.device("cpu"))
     if not HAS_CUDA:  # with a GPU the kernel modules are compiled and cannot take CPU tensors
         ops = triton_ops()
-        assert torch.equal(kernels.paged_decode_attention(*args), ops.decode(*args))
+        assert torch.equal(kvkernels.paged_decode_attention(*args), ops.decode(*args))
 
 
 def test_int8_cache_without_scales_is_rejected():
     q, k_cache, v_cache, block_tables, seq_lens, scale = _decode_args(torch.device("cpu"))
     with pytest.raises(ValueError, match="int8"):
-        kernels.paged_decode_attention(q, k_cache, v_cache.to(torch.int8), block_tables, seq_lens, scale)
+        kvkernels.paged_decode_attention(q, k_cache, v_cache.to(torch.int8), block_tables, seq_lens, scale)
 
 
 def test_import_works_without_triton():
-    """With ``triton`` unimportable, ``kernels`` imports and always runs the reference, even when interpreting."""
+    """With ``triton`` unimportable, ``kvkernels`` imports and always runs the reference, even when interpreting."""
     script = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch, kernels\n"
-        "assert not kernels.use_triton(torch.device('cpu')) and not kernels.use_triton(torch.device('cuda'))\n"
-        "k = torch.zeros(1, 16, 1, 8); kernels.store_kvcache(torch.ones(1, 1, 8), torch.ones(1, 1, 8), k, k.clone(),"
+        "assert not kvkernels.use_triton(torch.device('cpu')) and not kvkernels.use_triton(torch.device('cuda'))\n"
+        "k = torch.zeros(1, 16, 1, 8); kvkernels.store_kvcache(torch.ones(1, 1, 8), torch.ones(1, 1, 8), k, k.clone(),"
         " torch.tensor([3]))\n"
         "assert k[0, 3].sum() == 8\n"
     )

@@ -11,8 +11,8 @@ from paged_kv_testing import (  # noqa: F401  (interpreted_triton: an autouse fi
     triton_ops,
 )
 
-import kernels
-from kernels import reference
+import kvkernels
+from kvkernels import reference
 
 # See test_decode_kernel.py for how the INT8 bound is derived.
 FP16_ROUNDING = 2e-3
@@ -87,7 +87,7 @@ def test_prefill_large_bf16_on_gpu(num_q_heads, num_kv_heads, head_dim, kv_cache
     )  # fmt: skip
     args = (q, k, v, kv.k, kv.v, kv.block_tables, cu_seqlens_q, seq_lens, head_dim**-0.5)
 
-    assert kernels.use_triton(q.device)
-    out = kernels.paged_prefill_attention(*args, k_scale=kv.k_scale, v_scale=kv.v_scale)
+    assert kvkernels.use_triton(q.device)
+    out = kvkernels.paged_prefill_attention(*args, k_scale=kv.k_scale, v_scale=kv.v_scale)
 
     assert_matches(out, reference.paged_prefill_attention(*args, k_scale=kv.k_scale, v_scale=kv.v_scale))

@@ -1,4 +1,4 @@
-"""``kernels.reference.paged_decode_attention`` (the CPU path, and what the Triton kernel is checked against)
+"""``kvkernels.reference.paged_decode_attention`` (the CPU path, and what the Triton kernel is checked against)
 against attention written out per sequence in float64: lengths from different length classes, empty rows,
 table entries past a sequence's blocks that hold garbage, and groups split to bound one gather."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.reference import attention
-from kernels.reference.attention import _length_groups
+from kvkernels import reference
+from kvkernels.reference import attention
+from kvkernels.reference.attention import _length_groups
 
 
 def _naive(q, k_cache, v_cache, block_tables, seq_lens, scale):

@@ -11,7 +11,7 @@ from paged_kv_testing import (  # noqa: F401  (interpreted_triton: an autouse fi
     triton_ops,
 )
 
-from kernels import reference
+from kvkernels import reference
 from kvstore.ring import FULL_RING_ROW, RingSpec
 
 NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 2, 32

@@ -10,17 +10,17 @@ import pytest
 import torch
 from paged_kv_testing import DEVICE, interpreted_triton, triton_ops  # noqa: F401  (autouse fixture, found by name)
 
-import kernels
-from kernels import reference
+import kvkernels
+from kvkernels import reference
 
 SEEDS = [0, -1, 1 << 62, -(1 << 63), 12345, 7, 99]
 POSITIONS = [0, 1, 10**9, 4095, 3, 1 << 40, 17]
 
 
 def _sampling(monkeypatch: pytest.MonkeyPatch, block: int | None):
-    """``kernels.sampling`` with interpreted kernels on the CPU, its tile width set to ``block`` if given."""
+    """``kvkernels.sampling`` with interpreted kernels on the CPU, its tile width set to ``block`` if given."""
     triton_ops()  # skips unless Triton runs interpreted; reloads kernel modules imported compiled
-    module = importlib.import_module("kernels.sampling")
+    module = importlib.import_module("kvkernels.sampling")
     if block is not None:
         monkeypatch.setattr(module, "_BLOCK", block)
     return module
@@ -94,6 +94,6 @@ def test_public_entry_point_dispatches_to_the_kernel(monkeypatch):
     logits = (torch.randn(4, 300, generator=generator) * 2).to(DEVICE)
     seeds, positions = torch.tensor([1, 2, 3, 4], device=DEVICE), torch.tensor([9, 8, 7, 6], device=DEVICE)
 
-    assert kernels.use_triton(logits.device)
+    assert kvkernels.use_triton(logits.device)
     expected = sampling.gumbel_argmax(logits, seeds, positions)
-    assert torch.equal(kernels.gumbel_argmax(logits, seeds, positions), expected)
+    assert torch.equal(kvkernels.gumbel_argmax(logits, seeds, positions), expected)

@@ -10,8 +10,8 @@ from paged_kv_testing import (  # noqa: F401  (interpreted_triton: an autouse fi
     triton_ops,
 )
 
-import kernels
-from kernels import reference
+import kvkernels
+from kvkernels import reference
 
 SENTINEL = 7  # every cache slot starts here; a slot the store must skip keeps it
 
@@ -129,8 +129,8 @@ def test_store_16k_tokens_bf16_on_gpu(kv_cache_dtype):
     k, v, slots = _new_tokens(16384, 8, 128, torch.bfloat16, num_blocks * block_size, generator)
     caches = _caches(kv_cache_dtype, num_blocks, block_size, 8, 128, torch.bfloat16)
 
-    assert kernels.use_triton(k.device)
-    ours, expected = _store_both_ways(kernels.store_kvcache, k, v, slots, caches)
+    assert kvkernels.use_triton(k.device)
+    ours, expected = _store_both_ways(kvkernels.store_kvcache, k, v, slots, caches)
 
     for got, want in zip(ours, expected, strict=True):
         if got is not None and got.dtype == torch.int8:

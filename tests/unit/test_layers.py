@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 LEVELS = {
     "protos": 0,
-    "kernels": 0,
+    "kvkernels": 0,
     "security": 0,
     "kvstore": 1,
     "engine": 2,

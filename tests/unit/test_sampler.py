@@ -11,7 +11,7 @@ import torch
 
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from kernels.reference import uniform_noise
+from kvkernels.reference import uniform_noise
 
 CPU = torch.device("cpu")
 UINT64 = (1 << 64) - 1

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tiles import padded
+from kvkernels.tiles import padded
 
 
 @triton.jit

@@ -22,12 +22,12 @@ and they are what runs on the CPU. Layouts (shared with the Triton kernels):
   every key through the plain table: a sequence without a window in a batch that has windowed ones, computed
   exactly as without ``ring``.
 
-The names below are the references' public face: ``kernels`` dispatches to them by name on the CPU.
+The names below are the references' public face: ``kvkernels`` dispatches to them by name on the CPU.
 """
 
-from kernels.reference.attention import paged_decode_attention, paged_prefill_attention
-from kernels.reference.layer_ops import add_rms_norm, rotary_embedding, silu_and_mul
-from kernels.reference.paged_kv import (
+from kvkernels.reference.attention import paged_decode_attention, paged_prefill_attention
+from kvkernels.reference.layer_ops import add_rms_norm, rotary_embedding, silu_and_mul
+from kvkernels.reference.paged_kv import (
     FULL_RING_ROW,
     INT8_MAX,
     RING_BLOCKS,
@@ -38,7 +38,7 @@ from kernels.reference.paged_kv import (
     quantize_int8,
     store_kvcache,
 )
-from kernels.reference.sampling import gumbel_argmax, uniform_noise
+from kvkernels.reference.sampling import gumbel_argmax, uniform_noise
 
 __all__ = [
     "FULL_RING_ROW",

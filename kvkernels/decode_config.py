@@ -8,7 +8,7 @@ import functools
 import torch
 import triton
 
-from kernels.tiles import padded
+from kvkernels.tiles import padded
 
 # Tile configs: (tokens per tile, num_warps, num_stages), keyed by (head_dim padded, KV cache dtype), where the
 # KV cache dtype is the engine's name for it: "auto" (the model's 16-bit dtype), "int8_v" or "int8".

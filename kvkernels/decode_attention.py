@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_args import check_inputs, check_ring, ring_args, scale_args
-from kernels.decode_config import choose_num_splits, count_sms, default_tile_config, kv_cache_dtype
-from kernels.tiles import LOG2E, attend_paged, attend_ring_paged, dot_precision, padded
+from kvkernels.attention_args import check_inputs, check_ring, ring_args, scale_args
+from kvkernels.decode_config import choose_num_splits, count_sms, default_tile_config, kv_cache_dtype
+from kvkernels.tiles import LOG2E, attend_paged, attend_ring_paged, dot_precision, padded
 
 
 @triton.jit

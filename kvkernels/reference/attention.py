@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import window
-from kernels.reference.paged_kv import FULL_RING_ROW, gather, gather_batch
+from kvkernels.reference import window
+from kvkernels.reference.paged_kv import FULL_RING_ROW, gather, gather_batch
 
 
 def paged_decode_attention(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference.paged_kv import gather_positions
+from kvkernels.reference.paged_kv import gather_positions
 
 
 def decode_windowed(q, q_sink, k_cache, v_cache, k_scale, v_scale, table_row, length, ring_row, scale):

@@ -1,5 +1,5 @@
 """The sampler's reference: a counter-based uniform per (seed, position, token) (splitmix64) and the
-Gumbel-max draw it feeds (``gumbel_argmax``), which ``kernels.sampling`` must match token for token."""
+Gumbel-max draw it feeds (``gumbel_argmax``), which ``kvkernels.sampling`` must match token for token."""
 
 from __future__ import annotations
 

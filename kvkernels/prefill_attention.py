@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_args import check_inputs, check_ring, ring_args, scale_args
-from kernels.tiles import (
+from kvkernels.attention_args import check_inputs, check_ring, ring_args, scale_args
+from kvkernels.tiles import (
     LOG2E,
     attend_paged,
     attend_ring_paged,

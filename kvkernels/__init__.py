@@ -1,10 +1,13 @@
 """Model kernels: Triton on CUDA (or under ``TRITON_INTERPRET=1``), PyTorch references otherwise.
 
 ``_implementation`` is the one place that picks the backend. Triton modules are
-imported on first use, so ``import kernels`` works where Triton is not
+imported on first use, so ``import kvkernels`` works where Triton is not
 installed (then the references always run). Note that Triton decides between
 compiling and interpreting when a kernel module is *imported*: set
 ``TRITON_INTERPRET=1`` before the first Triton call in a process.
+
+The package is ``kvkernels``, not ``kernels``: that is the import name of Hugging Face's ``kernels``, which
+transformers installs and imports (tests/unit/test_package_names.py).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import os
 
 import torch
 
-from kernels import reference
+from kvkernels import reference
 
 __all__ = [
     "add_rms_norm",
@@ -29,13 +32,13 @@ __all__ = [
 ]
 
 _TRITON_MODULES = {
-    "paged_decode_attention": "kernels.decode_attention",
-    "paged_prefill_attention": "kernels.prefill_attention",
-    "store_kvcache": "kernels.store_kv",
-    "add_rms_norm": "kernels.norm",
-    "rotary_embedding": "kernels.rotary",
-    "silu_and_mul": "kernels.activation",
-    "gumbel_argmax": "kernels.sampling",
+    "paged_decode_attention": "kvkernels.decode_attention",
+    "paged_prefill_attention": "kvkernels.prefill_attention",
+    "store_kvcache": "kvkernels.store_kv",
+    "add_rms_norm": "kvkernels.norm",
+    "rotary_embedding": "kvkernels.rotary",
+    "silu_and_mul": "kvkernels.activation",
+    "gumbel_argmax": "kvkernels.sampling",
 }
 
 
