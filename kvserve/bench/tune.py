@@ -2,16 +2,22 @@
 
     kvserve tune [--model default|DIR] [--dataset random|shared-prefix|copy|jsonl] [--dataset-path F]
         [--input-len 256] [--output-len 64] [--num-requests 24] [--ttft-p99 2.0] [--tpot-p99 0.25]
-        [--budget 10m] [--workers N] [--output-dir DIR]
+        [--budget 10m] [--workers N] [--repeats 3] [--output-dir DIR]
 
 Goodput at the SLO: the highest request rate at which both the TTFT p99 and the TPOT p99 of the workload stay
 within ``--ttft-p99`` and ``--tpot-p99``, each rate measured by replaying the workload on an engine of that
 setting (``kvserve.bench.tune_replay``: open-loop arrivals on a virtual clock driven by real engine steps). The
-rates form a ladder of fractions of the default setting's capacity (the workload sent all at once), walked
-upwards until a rate misses the SLO: the rates above it are skipped, as dominated.
+rates form a ladder of fractions of the default setting's capacity (the workload sent all at once). Latency
+grows with the rate, so the goodput is found by bisection on the ladder (``Tuner.search``): a rate that meets
+the SLO rules out every rate below it, one that misses rules out every rate above, and a setting costs about
+four replays, not one per rate. Every setting replays a rate with the same arrivals (its seed is the rate's
+rung), so two settings are compared on the same traffic.
 
 A setting is better than another when its goodput is higher or, at equal goodput, when it stays further inside
-the SLO there (``Trial.headroom``: 1 - the larger of p99 / SLO). The sweep is a coordinate descent from the
+the SLO there by more than ``TIE_MARGIN`` (``Trial.headroom``: 1 - the larger of p99 / SLO). A candidate is
+searched only down to the best setting's goodput (below it, it cannot win), and one that comes out better is
+replayed once more at its goodput on other arrivals: it is taken only if it meets the SLO again, so one lucky
+replay does not pick it. The sweep is a coordinate descent from the
 default configuration, one knob at a time in this order:
 ``max_num_batched_tokens``, ``max_num_seqs``, block size, the KV cache dtype, prefix caching and speculative
 decoding (n-gram, ``num_speculative_tokens``). Each knob's values are tried outwards from the best so far; a direction
@@ -26,8 +32,8 @@ Written to ``--output-dir``: ``tuning.md`` and ``tuning.json`` (per setting: goo
 it, KV memory), ``throughput_latency.png`` (per setting, p99 latencies against achieved throughput),
 ``kv_memory.png`` (KV bytes in use against sequences running) and ``kvserve.yaml``: the chosen configuration,
 for ``kvserve up --config``, a worker's ``--config`` or ``LLM(**load_config(...))``. Finally the default and
-the chosen configuration are measured again side by side, their rate ladders interleaved, and both goodputs
-are printed.
+the chosen configuration are measured again side by side (``tune_output.compare``): ``--repeats`` searches
+each, the two sides alternating, each repeat on arrivals of its own; the medians and their ratio are printed.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ KNOBS: list[tuple[str, list[Any]]] = [  # the scheduler's first: they decide the
 ]
 # of the default setting's capacity: finer near it, and above it for the settings that raise it
 RATE_FRACTIONS = (0.25, 0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 2.0, 3.0, 4.0, 6.0)
+TIE_MARGIN = 0.05  # at equal goodput, the headroom (a fraction of the SLO) a setting must gain to be better
+CONFIRM_SEED = 1000  # the confirming replay's arrivals: a seed no rung of a search uses
 
 
 @dataclass
@@ -57,8 +65,10 @@ class Trial:
     """One setting's measurements: ``goodput`` is the highest rate (requests/s) that met the SLO (0: none)."""
 
     setting: dict[str, Any]
-    points: list = field(default_factory=list)  # tune_replay.RatePoint, by rising rate
+    points: list = field(default_factory=list)  # tune_replay.RatePoint, in the order measured
     goodput: float = 0.0
+    floor: float = 0.0  # the lowest rate searched: a goodput of 0 means "below this"
+    confirmed: bool = True  # False: a goodput over the best's that a second replay did not meet
 
     def at_goodput(self):
         """The point at the goodput's rate; for a setting that met the SLO at no rate, its lowest rate's."""
@@ -75,7 +85,8 @@ class Trial:
     def row(self) -> dict[str, Any]:
         best = self.at_goodput()
         figures = best.summary() if best is not None else {}
-        return {"setting": self.setting, "goodput_rps": self.goodput,
+        return {"setting": self.setting, "goodput_rps": self.goodput, "searched_from_rps": self.floor,
+                "confirmed": self.confirmed,
                 **{k: figures.get(k, math.nan) for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
                                                         "tpot_p99_ms", "output_throughput", "peak_kv_bytes")},
                 "points": [p.summary() for p in self.points]}  # fmt: skip
@@ -113,24 +124,25 @@ class Tuner:
     def out_of_time(self) -> bool:
         return time.monotonic() >= self.deadline
 
-    def measure(self, setting: dict[str, Any], rates: list[float] | None = None) -> Trial:
-        """Build the setting's engine, replay the workload up the rate ladder until a rate misses the SLO."""
+    def measure(self, setting: dict[str, Any], floor: int = 0, beat: float | None = None) -> Trial:
+        """Build the setting's engine and search its goodput on the ladder's rungs from ``floor`` up; a goodput
+        over ``beat`` (the best so far) is replayed once more, on other arrivals, and stands only if it holds."""
         from engine import LLMEngine
         from kvserve.bench.tune_replay import replay
 
         trial = Trial(dict(setting))
         engine = LLMEngine(**self.base, **engine_options(setting))
         try:
-            replay(engine, self.requests[:2], math.inf)  # warm-up
+            replay(engine, self.requests[:4], math.inf)  # warm-up
             if not self.rates:  # the ladder, from the first (default) setting's capacity
                 capacity = replay(engine, self.requests, math.inf).request_throughput
                 self.rates = [round(capacity * f, 4) for f in RATE_FRACTIONS]
-            for rate in rates or self.rates:
-                point = replay(engine, self.requests, rate, seed=len(trial.points))
-                trial.points.append(point)
-                if not point.meets(self.ttft_p99_s, self.tpot_p99_s):
-                    break  # the rates above it are dominated
-                trial.goodput = rate
+            start = min(floor + 1, len(self.rates) - 1) if beat else RATE_FRACTIONS.index(1.0)  # the rung to win
+            self.search(engine, trial, floor, start)
+            if beat is not None and trial.goodput > beat:
+                again = replay(engine, self.requests, trial.goodput, seed=CONFIRM_SEED)
+                trial.points.append(again)
+                trial.confirmed = again.meets(self.ttft_p99_s, self.tpot_p99_s)
         finally:
             engine.close()
         self.trials.append(trial)
@@ -139,10 +151,31 @@ class Tuner:
             self.progress.update(1)
         return trial
 
+    def search(self, engine, trial: Trial, floor: int, start: int, seed: int = 0) -> None:
+        """Bisection on the rungs ``floor..`` of the ladder, first probing ``start``: the highest rung that meets
+        the SLO becomes ``trial.goodput`` (0 when even ``floor`` misses). Rung i replays with seed ``seed + i``."""
+        from kvserve.bench.tune_replay import replay
+
+        met, missed, rung = floor - 1, len(self.rates), start
+        trial.floor = self.rates[floor]
+        while missed - met > 1:
+            point = replay(engine, self.requests, self.rates[rung], seed=seed + rung)
+            trial.points.append(point)
+            if point.meets(self.ttft_p99_s, self.tpot_p99_s):
+                met = rung
+            else:
+                missed = rung
+            rung = (met + missed) // 2
+        trial.goodput = self.rates[met] if met >= floor else 0.0
+
     def better(self, trial: Trial, than: Trial) -> bool:
-        """More goodput; at equal goodput, more headroom inside the SLO."""
+        """More goodput, confirmed; at equal goodput, more headroom inside the SLO by over ``TIE_MARGIN``."""
+        if not trial.confirmed:
+            return False
+        if trial.goodput != than.goodput:
+            return trial.goodput > than.goodput
         slo = (self.ttft_p99_s, self.tpot_p99_s)
-        return (trial.goodput, trial.headroom(*slo)) > (than.goodput, than.headroom(*slo))
+        return trial.goodput > 0 and trial.headroom(*slo) > than.headroom(*slo) + TIE_MARGIN
 
     def sweep(self, default: dict[str, Any]) -> dict[str, Any]:
         """The best setting coordinate descent finds from ``default`` before the deadline; what the deadline
@@ -158,11 +191,15 @@ class Tuner:
                         self.skipped.append(candidate)
                         i += direction
                         continue
-                    trial = self.measure(candidate)
+                    trial = self.measure(candidate, floor=self.rung(best.goodput), beat=best.goodput)
                     if not self.better(trial, best):
                         break  # the values further this way are taken as dominated
                     best, i = trial, i + direction
         return best.setting
+
+    def rung(self, goodput: float) -> int:
+        """The rung a candidate's search starts at: the best goodput's (to tie it), the lowest without one."""
+        return self.rates.index(goodput) if goodput in self.rates else 0
 
 
 def _shown(setting: dict[str, Any], default: dict[str, Any] | None = None) -> str:
@@ -200,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tpot-p99", type=float, default=0.25, help="the SLO on TPOT's p99, seconds")
     parser.add_argument("--budget", default="10m", help="time for the sweep: 90s, 10m, 1h")
     parser.add_argument("--workers", type=int, default=0, help="split this many workers into prefill:decode")
+    parser.add_argument("--repeats", type=int, default=3, help="searches of each side in the closing side by side")
     parser.add_argument("--output-dir", default="tune-out")
     args = parser.parse_args(argv)
     try:
@@ -218,5 +256,5 @@ def main(argv: list[str] | None = None) -> int:
     cluster = split_workers(args, base, chosen, requests, tuner) if args.workers >= 2 else None
     write_outputs(Path(args.output_dir), tuner, default, chosen, cluster, slo)
     print((Path(args.output_dir) / "tuning.md").read_text())
-    compare(tuner, default, chosen)
+    compare(tuner, default, chosen, args.repeats)
     return 0

@@ -59,7 +59,9 @@ def write_table(path: Path, rows: list[dict[str, Any]], default: dict[str, Any],
              "output tok/s | KV MiB |", "|---|---|---|---|---|---|"]  # fmt: skip
     for row in sorted(rows, key=lambda r: -r["goodput_rps"]):
         mark = " **(chosen)**" if row["setting"] == chosen else ""
-        lines.append(f"| {_changes(row['setting'], default)}{mark} | {row['goodput_rps']:.3g} | "
+        goodput = f"{row['goodput_rps']:.3g}" if row["goodput_rps"] else f"< {row['searched_from_rps']:.3g}"
+        goodput += "" if row["confirmed"] else " (a second replay missed it)"
+        lines.append(f"| {_changes(row['setting'], default)}{mark} | {goodput} | "
                      f"{row['ttft_p50_ms']:.0f} / {row['ttft_p99_ms']:.0f} | {row['tpot_p50_ms']:.0f} / "
                      f"{row['tpot_p99_ms']:.0f} | {row['output_throughput']:.1f} | "
                      f"{row['peak_kv_bytes'] / 2**20:.1f} |")  # fmt: skip
@@ -114,38 +116,43 @@ def write_config(path: Path, options: dict[str, Any], cluster: dict[str, int] | 
     path.write_text("# written by kvserve tune (see tuning.md)\n" + yaml.safe_dump(body, sort_keys=False))
 
 
-def compare(tuner, default: dict[str, Any], chosen: dict[str, Any]) -> dict[str, float]:
-    """Goodput of the default and the chosen setting again, their ladders interleaved rate by rate."""
+def compare(tuner, default: dict[str, Any], chosen: dict[str, Any], repeats: int = 3) -> dict[str, list[float]]:
+    """The default's and the chosen setting's goodput again, ``repeats`` searches each on engines built once: the
+    sides alternate (which goes first swaps every repeat), and each repeat replays arrivals of its own. Prints
+    each repeat's goodputs, the medians and their ratio."""
+    import statistics
+
     from engine import LLMEngine
-    from kvserve.bench.tune import engine_options
+    from kvserve.bench.tune import RATE_FRACTIONS, Trial, engine_options
     from kvserve.bench.tune_replay import replay
 
     sides = {"default": default, "tuned": chosen}
     engines = {side: LLMEngine(**tuner.base, **engine_options(s)) for side, s in sides.items()}
-    goodput, last, ladders = dict.fromkeys(sides, 0.0), {}, {side: [] for side in sides}
+    trials: dict[str, list[Trial]] = {side: [] for side in sides}
     try:
         for engine in engines.values():
-            replay(engine, tuner.requests[:2], math.inf)  # warm-up
-        for i, rate in enumerate(tuner.rates):
-            for side in ("default", "tuned") if i % 2 == 0 else ("tuned", "default"):
-                if side in last and not last[side].meets(tuner.ttft_p99_s, tuner.tpot_p99_s):
-                    continue
-                last[side] = point = replay(engines[side], tuner.requests, rate, seed=i)
-                ladders[side].append(point)
-                if point.meets(tuner.ttft_p99_s, tuner.tpot_p99_s):
-                    goodput[side] = rate
+            replay(engine, tuner.requests[:4], math.inf)  # warm-up
+        for repeat in range(repeats):
+            for side in ("default", "tuned") if repeat % 2 == 0 else ("tuned", "default"):
+                trial = Trial(sides[side])
+                tuner.search(engines[side], trial, 0, RATE_FRACTIONS.index(1.0), seed=100 * (repeat + 1))
+                trials[side].append(trial)
     finally:
         for engine in engines.values():
             engine.close()
+    goodputs = {side: [t.goodput for t in ts] for side, ts in trials.items()}
     rows = []
-    for side, g in goodput.items():
-        point = next((p for p in reversed(ladders[side]) if p.rate == g), None)
+    for side, ts in trials.items():
+        median = statistics.median(goodputs[side])
+        point = next((t.at_goodput() for t in ts if t.goodput == median and t.goodput), None)
         figures = [round(point.p(w, 99) * 1e3) for w in ("ttft", "tpot")] if point is not None else ["-", "-"]
-        rows.append([side, round(g, 4), *figures])
-    print(report.table(["side by side", "goodput req/s", "TTFT p99 ms", "TPOT p99 ms"], rows))
-    ratio = goodput["tuned"] / goodput["default"] if goodput["default"] else math.inf
-    print(f"tuned / default goodput: {ratio:.2f}x")
-    return goodput
+        rows.append([side, " ".join(f"{g:g}" for g in goodputs[side]), f"{median:g}", *figures])
+    print(report.table(["side by side", "goodput req/s, each repeat", "median", "TTFT p99 ms", "TPOT p99 ms"],
+                       rows))  # fmt: skip
+    default_median, tuned_median = (statistics.median(goodputs[side]) for side in sides)
+    ratio = tuned_median / default_median if default_median else math.inf
+    print(f"tuned / default goodput (medians of {repeats}): {ratio:.2f}x")
+    return goodputs
 
 
 def split_workers(args: argparse.Namespace, base: dict[str, Any], chosen: dict[str, Any], requests: list,

@@ -35,7 +35,7 @@ def test_the_replay_jumps_over_idle_time_and_times_each_request_from_its_arrival
 
 
 def _fake_measure(goodputs: dict[tuple, float], measured: list[dict]):
-    def measure(self, setting, rates=None):
+    def measure(self, setting, floor=0, beat=None):
         measured.append(dict(setting))
         key = tuple(setting[k] for k in ("max_num_batched_tokens", "max_num_seqs"))
         trial = tune.Trial(dict(setting), [RatePoint(1.0)], goodputs.get(key, 0.5))
@@ -59,6 +59,52 @@ def test_coordinate_descent_keeps_the_best_and_never_measures_a_dominated_value(
     assert seqs_tried == [64, 32]  # downwards from 256: 64 beats it, 32 does not, so 16, 8, 4 are dominated
     assert [s["max_num_batched_tokens"] for s in measured[:3]] == [4096, 2048, 1024]  # 512, 256: dominated
     assert not tuner.skipped
+
+
+def _fake_replay(limit: float, calls: list, miss_seeds=()):
+    """A replay that meets a 1 s TTFT p99 up to ``limit`` req/s (except on ``miss_seeds``), recording each call."""
+
+    def replay(engine, requests, rate, seed=0):
+        calls.append((rate, seed))
+        point = RatePoint(rate)
+        point.ttft_s = [0.5 if rate <= limit and seed not in miss_seeds else 2.0]
+        point.tpot_s = [0.01]
+        return point
+
+    return replay
+
+
+def test_the_goodput_is_found_by_bisection_each_rung_on_its_own_arrivals(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr("kvserve.bench.tune_replay.replay", _fake_replay(3.3, calls))
+    tuner = tune.Tuner({}, [], 1.0, 1.0, deadline=math.inf)
+    tuner.rates = [0.25, 0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 2.0, 3.0, 4.0, 6.0]
+    trial = tune.Trial({})
+    tuner.search(None, trial, floor=0, start=4)
+    assert trial.goodput == 3.0
+    assert calls == [(1.0, 4), (2.0, 8), (4.0, 10), (3.0, 9)]  # 4 replays for 12 rungs; none below 1.0
+    calls.clear()
+    low = tune.Trial({})
+    monkeypatch.setattr("kvserve.bench.tune_replay.replay", _fake_replay(0.6, calls))
+    tuner.search(None, low, floor=0, start=4)
+    assert low.goodput == 0.5 and [rate for rate, _ in calls] == [1.0, 0.5, 0.7]
+    calls.clear()
+    tuner.search(None, floored := tune.Trial({}), floor=5, start=6)  # a candidate against a best of 1.0 req/s
+    assert floored.goodput == 0.0 and floored.floor == 1.15 and [rate for rate, _ in calls] == [1.3, 1.15]
+
+
+def test_a_candidate_that_beats_the_best_once_but_not_on_other_arrivals_is_not_taken(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr("kvserve.bench.tune_replay.replay", _fake_replay(1.6, calls, miss_seeds={tune.CONFIRM_SEED}))
+    monkeypatch.setattr("engine.LLMEngine", lambda **options: type("Engine", (), {"close": lambda self: None})())
+    tuner = tune.Tuner({}, [], 1.0, 1.0, deadline=math.inf)
+    tuner.rates = [0.25, 0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 2.0, 3.0, 4.0, 6.0]
+    best = tune.Trial({}, [RatePoint(1.0)], goodput=1.0)
+    lucky = tuner.measure({"block_size": 32}, floor=4, beat=1.0)
+    assert lucky.goodput == 1.5 and calls[-1] == (1.5, tune.CONFIRM_SEED) and not lucky.confirmed
+    assert not tuner.better(lucky, best)
+    monkeypatch.setattr("kvserve.bench.tune_replay.replay", _fake_replay(1.6, calls))
+    assert tuner.better(tuner.measure({"block_size": 32}, floor=4, beat=1.0), best)
 
 
 def test_what_the_budget_leaves_is_listed_not_measured(monkeypatch):

@@ -149,13 +149,13 @@ def test_silu_and_mul(dtype, num_tokens, intermediate):
 
 
 def test_public_entry_points_dispatch_to_the_triton_kernels():
-    """Under the interpreter (or on CUDA) ``kernels.*`` runs the Triton kernels, exactly."""
+    """Under the interpreter (or on CUDA) ``kvkernels.*`` runs the Triton kernels, exactly."""
     generator = torch.Generator().manual_seed(2)
     x = random_tensor(2, 64, dtype=torch.float16, generator=generator)
     weight = random_tensor(64, dtype=torch.float16, generator=generator)
     q = random_tensor(2, 2, 64, dtype=torch.float16, generator=generator)
     cos_sin = _cos_sin(2, 64, generator)
-    norm, rotary, activation = (_module(f"kernels.{name}") for name in ("norm", "rotary", "activation"))
+    norm, rotary, activation = (_module(f"kvkernels.{name}") for name in ("norm", "rotary", "activation"))
 
     assert kvkernels.use_triton(x.device)
     assert torch.equal(kvkernels.add_rms_norm(x, x, weight, 1e-6)[0], norm.add_rms_norm(x, x, weight, 1e-6)[0])

@@ -1,4 +1,4 @@
-"""Which implementation ``kernels.*`` runs: Triton on CUDA or when interpreting, the reference otherwise."""
+"""Which implementation ``kvkernels.*`` runs: Triton on CUDA or when interpreting, the reference otherwise."""
 
 import os
 import subprocess
@@ -63,7 +63,7 @@ def test_import_works_without_triton():
     """With ``triton`` unimportable, ``kvkernels`` imports and always runs the reference, even when interpreting."""
     script = (
         "import sys; sys.modules['triton'] = None\n"
-        "import torch, kernels\n"
+        "import torch, kvkernels\n"
         "assert not kvkernels.use_triton(torch.device('cpu')) and not kvkernels.use_triton(torch.device('cuda'))\n"
         "k = torch.zeros(1, 16, 1, 8); kvkernels.store_kvcache(torch.ones(1, 1, 8), torch.ones(1, 1, 8), k, k.clone(),"
         " torch.tensor([3]))\n"
