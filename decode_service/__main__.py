@@ -13,6 +13,7 @@ import logging
 
 from decode_service.settings import DecodeSettings
 from engine import LLMEngine
+from rpc.compute_lease import ComputeLease
 from rpc.loop import AsyncioThread
 from rpc.process import prepare_worker, serve
 from rpc.server import exit_stopped_process
@@ -31,7 +32,8 @@ def main(argv: list[str] | None = None) -> None:
                           shm_path=str(engine.runner.kv_pool_path or ""), max_waiting=settings.max_waiting,
                           prefill_timeout_s=settings.prefill_timeout_s,
                           prefill_ms_per_token=settings.prefill_ms_per_token, kv_transport=settings.kv_transport,
-                          prefill_reads_cached_prefix=settings.prefill_reads_cached_prefix)  # fmt: skip
+                          prefill_reads_cached_prefix=settings.prefill_reads_cached_prefix,
+                          compute=ComputeLease(settings.compute_lease, "decode"))  # fmt: skip
     logging.info("decode worker %s serving on %s (KV pool: %s)", worker_id, worker.address,
                  engine.runner.kv_pool_path or "private")  # fmt: skip
     serve(worker, {"Decode": worker, "KVTransfer": worker.receiver}, aio, security, settings, registry,

@@ -43,6 +43,7 @@ from kvstore.layout import fingerprint
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc import tracing
+from rpc.compute_lease import ComputeLease
 from rpc.loop import AsyncioThread, Loop
 from security.auth import Security
 from transfer.backend import Backend, Endpoint, nixl_installed
@@ -58,8 +59,10 @@ class DecodeWorker(pb_grpc.DecodeServicer):
     def __init__(self, engine: LLMEngine, worker_id: str, address: str, aio: AsyncioThread, security: Security,
                  registry: Registry | None = None, shm_path: str = "", max_waiting: int = 64,
                  prefill_timeout_s: float = 30.0, prefill_ms_per_token: float = 20.0,
-                 kv_transport: str | None = None, prefill_reads_cached_prefix: bool = True) -> None:  # fmt: skip
+                 kv_transport: str | None = None, prefill_reads_cached_prefix: bool = True,
+                 compute: ComputeLease | None = None) -> None:  # fmt: skip
         self.engine, self.worker_id, self.address, self.security = engine, worker_id, address, security
+        self.compute = compute or ComputeLease(None)  # held around each step (rpc.compute_lease)
         runner = engine.runner
         self.fingerprint = fingerprint(engine.model_config.architecture, runner.kv_spec)
         # NIXL: offered when installed; our agent starts on first need, or now when every hand-off uses it
@@ -167,7 +170,8 @@ class DecodeWorker(pb_grpc.DecodeServicer):
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            with self.compute:
+                outputs = self.engine.step()
         except StepError as err:  # fail the requests of that batch; the rest carry on
             log.error("engine step failed for %d requests: %s", len(err.request_ids), err)
             for rid in err.request_ids:

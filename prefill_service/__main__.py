@@ -14,6 +14,7 @@ import logging
 from engine import LLMEngine
 from prefill_service.settings import PrefillSettings
 from prefill_service.worker import PrefillWorker
+from rpc.compute_lease import ComputeLease
 from rpc.loop import AsyncioThread
 from rpc.process import prepare_worker, serve
 from rpc.server import exit_stopped_process
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     # decode CUDA graphs would only cost start-up time and GPU memory.
     engine = LLMEngine(settings.engine_config(enforce_eager=True))
     worker = PrefillWorker(engine, worker_id, settings.address, security, settings.max_batch_tokens,
-                           settings.max_wait_ms, registry)  # fmt: skip
+                           settings.max_wait_ms, registry, ComputeLease(settings.compute_lease, "prefill"))  # fmt: skip
     if registry is not None and (ended := registry.end_leases_of(worker_id)):
         logging.info("ended %d leases a previous %s left pending", ended, worker_id)  # it died mid-transfer
     logging.info("prefill worker %s serving on %s", worker_id, worker.address)

@@ -54,6 +54,7 @@ from prefill_service.request import Refused, validate_prefill_request
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc import metrics, tracing
+from rpc.compute_lease import ComputeLease
 from rpc.convert import logprobs_to_proto
 from rpc.loop import Loop
 from security.auth import Security
@@ -67,8 +68,9 @@ log = logging.getLogger(__name__)
 class PrefillWorker(pb_grpc.PrefillServicer):
     def __init__(self, engine: LLMEngine, worker_id: str, address: str, security: Security,
                  max_batch_tokens: int = 4096, max_wait_ms: float = 20.0,
-                 registry: Registry | None = None) -> None:  # fmt: skip
+                 registry: Registry | None = None, compute: ComputeLease | None = None) -> None:  # fmt: skip
         self.engine = engine
+        self.compute = compute or ComputeLease(None)  # held around each step (rpc.compute_lease)
         self.worker_id = worker_id
         self.address = address
         self.security = security
@@ -248,7 +250,9 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                 for rid in [rid for rid, job in pending.items() if job.cancelled or job.expired]:
                     self._stop(rid, pending.pop(rid))
                 num_steps += 1
-                for out in engine.step():
+                with self.compute:
+                    outputs = engine.step()
+                for out in outputs:
                     job = pending.pop(out.request_id, None) if out.finished else None
                     if job is None:
                         continue

@@ -92,5 +92,12 @@ class ThreadSettings(Settings):
     """compute threads"""
 
     threads: int | None = Field(
-        None, ge=1, description="torch threads per compute worker; none: this host's cores / its compute workers"
+        None, ge=1, description="torch threads per compute worker; none: this host's cores / its compute workers "
+        "(all of them with --compute-lease)"
+    )
+    compute_lease: str | None = Field(
+        None,
+        description="a file path the compute workers sharing this host's cores all name: each engine step holds "
+        "it, so one worker computes at a time, on all the cores (rpc.compute_lease); kvserve up sets it on a CPU "
+        "host when --threads is not given",
     )

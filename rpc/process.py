@@ -60,11 +60,11 @@ def compute_threads(settings: WorkerSettings, registry: Registry | None, worker_
     the registry knows on this host (``kvserve up`` always passes ``--threads``). A restarted worker's own
     entry from its previous life is not another worker."""
     others = 0
-    if settings.threads is None and registry is not None:
+    if settings.threads is None and settings.compute_lease is None and registry is not None:
         host = local_host_id()
         others = sum(w.host_id == host and w.worker_id != worker_id for w in registry.workers()
                      if w.role in ("prefill", "decode"))  # fmt: skip
-    return set_compute_threads(settings.threads, others + 1)
+    return set_compute_threads(settings.threads, others + 1, leased=settings.compute_lease is not None)
 
 
 def serve(worker: Worker, services: dict[str, object], aio: AsyncioThread, security: Security,

@@ -14,6 +14,8 @@
   is its engine, which ``scripts/reliability.py`` drives too);
 * ``sampling``: what logprobs, penalties and the other per-request sampling features cost per output token;
 * ``tracing``: what OpenTelemetry tracing costs through a cluster, on and off;
+* ``peer``: ``kvserve up`` against llama.cpp's ``llama-server`` on this host (built once from its sdist), same
+  weights and client, at 1 and 16 users;
 * ``kernels``: the Triton kernels against PyTorch's SDPA on a CUDA GPU, and the decode tile-config sweep
   (``kernel_sweep``, on ``kernel_inputs``).
 
@@ -24,4 +26,4 @@
 
 # module: the name with "_" for "-"
 BENCHES = ("offline", "serve", "transfer", "cuda_ipc", "kv-curve", "tiers", "ring", "load", "kernels", "sampling",
-           "tracing")
+           "tracing", "peer")

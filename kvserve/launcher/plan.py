@@ -4,8 +4,11 @@ role, ports and command line and the start order, and checks what can be checked
 
 Ports: the router listens on ``up.port`` (gRPC) and ``up.http_port`` (the OpenAI-compatible API; 0: none), decode
 worker *i* on ``port + 10 + i``, prefill worker *i* on ``port + 30 + i``, each worker's ``/metrics`` on its port
-+ 1000. Compute workers get ``--threads``, their share of the host's cores, so they do not preempt each other,
-and ``--gpu-memory-utilization``, their share of the GPU's total memory, since every worker runs on the same GPU
++ 1000. Compute workers on a CPU host take turns on all of its cores: each gets ``--threads`` = the host's
+cores and the same ``--compute-lease``, held around every engine step (``rpc.compute_lease``), so a worker with
+nothing to run holds no core and two busy workers never oversubscribe them. With ``--threads`` given, or on a
+GPU host, each gets ``--threads`` (by default its share of the cores) and no lease. Each also gets
+``--gpu-memory-utilization``, their share of the GPU's total memory, since every worker runs on the same GPU
 (``gpu_memory_shares``; ignored on the CPU). What the options of ``UpSettings`` become for each child is
 ``kvserve.settings``'s docstring.
 
@@ -18,8 +21,11 @@ which the flag would silently override.
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic_settings import BaseSettings
 
@@ -94,7 +100,7 @@ def plan_cluster(up: UpSettings, extra: ExtraArgv | None = None, host: str = "12
     shares = gpu_memory_shares(up.prefill_gpu_memory_utilization, up.decode_gpu_memory_utilization, up.prefill,
                                up.decode)  # fmt: skip
     shared_argv, public_argv = split_public_tls(up.security_argv())
-    threads = threads_per_worker(up.prefill + up.decode, up.threads)
+    threads, compute_lease = compute_shares(up)
     worker_argv = [*shared_argv, *up.tracing_argv(), *up.engine_argv(), *config_argv(up)]
     children = []
     for role, count, offset, role_argv in (("decode", up.decode, DECODE_PORTS, [*up.decode_argv(), *extra.decode]),
@@ -102,7 +108,7 @@ def plan_cluster(up: UpSettings, extra: ExtraArgv | None = None, host: str = "12
         for i in range(count):
             port, name = up.port + offset + i, f"{role}-{i}"
             planned = {"host": host, "port": port, "worker_id": name, "metrics_port": port + METRICS_PORTS,
-                       "threads": threads, "drain_timeout": up.drain_timeout,
+                       "threads": threads, "compute_lease": compute_lease, "drain_timeout": up.drain_timeout,
                        "gpu_memory_utilization": shares[role]}  # fmt: skip
             argv = (sys.executable, "-m", f"{role}_service", *argv_of(planned), *worker_argv, *role_argv)
             children.append(ChildPlan(name, role, port, argv, port + METRICS_PORTS, tuple(planned)))
@@ -132,6 +138,19 @@ def check_config_file(config: ConfigFile, children: list[ChildPlan]) -> None:
             settings_from_argv(model_cls, child.argv[3:], child.role, exclude)
         except ValueError as err:
             raise ValueError(f"{child.name}: {err}") from None
+
+
+def compute_shares(up: UpSettings) -> tuple[int, str | None]:
+    """(``--threads``, ``--compute-lease``) of each compute worker: on a CPU host with two or more workers and no
+    ``--threads``, all the cores and a lease file of this cluster's (its router port names it); else
+    ``threads_per_worker`` and no lease."""
+    import torch
+
+    on_cpu = up.device == "cpu" or (up.device == "auto" and not torch.cuda.is_available())
+    if up.threads is None and on_cpu and up.prefill + up.decode >= 2:
+        runtime = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        return host_cores(), str(runtime / f"kvserve-{os.getuid()}-{up.port}-compute")
+    return threads_per_worker(up.prefill + up.decode, up.threads), None
 
 
 def threads_per_worker(num_compute_workers: int, threads: int | None = None) -> int:

@@ -13,6 +13,7 @@ from kvserve.launcher.plan import ExtraArgv, plan_cluster, threads_per_worker
 from kvserve.settings import UpSettings, parse_up
 from router.settings import RouterSettings
 from rpc.settings import parse_settings
+from rpc.threads import host_cores
 
 
 def _flag(argv: tuple[str, ...], name: str) -> list[str]:
@@ -77,7 +78,17 @@ def test_the_defaults_are_up_settings_own():
     shares = [_flag(c.argv, "--gpu-memory-utilization") for c in plan.children[:2]]
     defaults = fields["decode_gpu_memory_utilization"].default, fields["prefill_gpu_memory_utilization"].default
     assert shares == [[str(defaults[0])], [str(defaults[1])]]
-    assert _flag(plan.children[0].argv, "--threads") == [str(threads_per_worker(2))]
+    assert _flag(plan.children[0].argv, "--threads") == [str(host_cores())]  # this host has no GPU: the lease
+    leases = [_flag(c.argv, "--compute-lease") for c in plan.children[:2]]
+    assert leases[0] == leases[1] and len(leases[0]) == 1 and "50051" in leases[0][0]
+
+
+def test_threads_given_or_a_single_worker_split_the_cores_without_a_lease():
+    for argv, threads in ((["--threads", "1"], 1), (["--prefill", "0"], threads_per_worker(1)),
+                          (["--device", "cpu", "--decode", "3", "--threads", "2"], 2)):  # fmt: skip
+        plan = plan_cluster(parse_up(argv))
+        workers = [c for c in plan.children if c.role != "router"]
+        assert all(_flag(c.argv, "--threads") == [str(threads)] and "--compute-lease" not in c.argv for c in workers)
 
 
 @pytest.mark.parametrize("argv, message", [
