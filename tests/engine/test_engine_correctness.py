@@ -6,6 +6,7 @@ import pytest
 from engine_testing import BLOCK_SIZE, greedy
 
 from engine import LLM, SamplingParams
+from engine.models import linear
 
 
 def test_greedy_matches_transformers_one_prompt_at_a_time(llm, engine_prompts, hf_greedy):
@@ -19,6 +20,22 @@ def test_batched_equals_unbatched(llm, engine_prompts, hf_greedy):
     outs = llm.generate(engine_prompts, greedy())
     assert [o.token_ids for o in outs] == hf_greedy
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_decode_products_split_over_the_weights_rows_match_transformers(llm, engine_prompts, hf_greedy, monkeypatch):
+    """With more than one thread, a decode step's products run as a bmm over blocks of each weight's rows
+    (``engine.models.linear``); forced here on this test process's one thread, alone and in a batch."""
+    calls = []
+
+    def split_blocks(x, weight):
+        calls.append(x.shape[0])
+        return 8 if x.shape[0] <= linear.SPLIT_MAX_ROWS and weight.shape[0] % 8 == 0 else 1
+
+    monkeypatch.setattr(linear, "split_blocks", split_blocks)
+    [alone] = llm.generate([engine_prompts[0]], greedy())
+    outs = llm.generate(engine_prompts, greedy())
+    assert alone.token_ids == hf_greedy[0] and [o.token_ids for o in outs] == hf_greedy
+    assert 1 in calls and len(engine_prompts) in calls  # the decode steps' rows went through the split
 
 
 def test_small_pool_preempts_and_chunked_prefill_still_match(engine_prompts, hf_greedy):

@@ -150,13 +150,13 @@ def engines():
 
 def test_greedy_output_is_unchanged_in_mixed_batches_with_stops_inside_accepted_runs(engines, tokenizer):
     base, spec = engines
-    prompts = _copy_prompts(tokenizer, 50)
+    prompts = _copy_prompts(tokenizer, 24)
     params = [greedy(20) for _ in prompts]
-    for i in range(0, 50, 5):
+    for i in range(0, 24, 4):
         params[i] = greedy(20, speculative=False)  # it shares the batch without speculating
     plain = base.generate(prompts, params)
     # a stop string taken from the middle of an answer (the copy prompts' answers are mostly accepted runs)
-    stopped = list(range(1, 50, 7))
+    stopped = list(range(1, 24, 4))
     for i in stopped:
         text = plain[i].text
         params[i] = greedy(20, stop=[text[len(text) // 2 : len(text) // 2 + 3]])
@@ -168,9 +168,9 @@ def test_greedy_output_is_unchanged_in_mixed_batches_with_stops_inside_accepted_
     assert [o.token_ids for o in fast] == [o.token_ids for o in plain]
     assert [o.text for o in fast] == [o.text for o in plain]
     assert [o.finish_reason for o in fast] == [o.finish_reason for o in plain]
-    assert sum(o.finish_reason == "stop" for o in fast) >= 5
+    assert sum(o.finish_reason == "stop" for o in fast) >= 4
     stats = spec.engine.speculator.stats
-    assert stats.num_accepted - stats_before > 100 and stats.acceptance_rate > 0.5
+    assert stats.num_accepted - stats_before > 50 and stats.acceptance_rate > 0.5
     pool = spec.engine.block_manager
     assert pool.num_free_blocks == pool.num_blocks
 
