@@ -7,8 +7,8 @@ one thread and on two (8.6 GB/s), where two threads read memory at about 32 GB/s
 ``bmm`` over ``k`` blocks of the weight's rows runs the blocks on the threads (6.2 ms, 18 GB/s): each output
 element is the same dot product over the same inputs, computed by the same kernel on each block.
 
-Used where the rows are few (``SPLIT_MAX_ROWS``: a decode step's), on the CPU, with more than one thread; everything else (a
-prefill's many rows, CUDA) goes to ``F.linear`` unchanged.
+Used where the rows are few (``SPLIT_MAX_ROWS``: a decode step's), on the CPU, with more than one thread;
+everything else (a prefill's many rows, CUDA) goes to ``F.linear`` unchanged.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SPLIT_MAX_ROWS = 64  # up to here split products were faster (1.15-1.7x on this 2-core host); a prefill's are not split
+SPLIT_MAX_ROWS = 64  # up to here split products were faster (1.15-1.7x on a 2-core host); not a prefill's
 BLOCKS_PER_THREAD = 4  # blocks of the weight's rows per thread: balances uneven cores
 
 

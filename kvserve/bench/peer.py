@@ -70,9 +70,14 @@ def build_server(source: Path, portable: bool) -> Path:
 
 
 def f32_gguf(source: Path, model_dir: Path, cache: Path) -> Path:
-    """The model converted to an f32 GGUF by llama.cpp's own converter (``gguf-py`` from the same sdist)."""
+    """The model converted to an f32 GGUF by llama.cpp's own converter (``gguf-py`` from the same sdist; it
+    needs ``sentencepiece``, installed here if missing)."""
     out = cache / f"{model_dir.name}-f32.gguf"
     if not out.exists():
+        import importlib.util
+
+        if importlib.util.find_spec("sentencepiece") is None:  # the converter imports it for every vocabulary
+            subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "sentencepiece"], check=True)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source / "gguf-py"), str(source)])}
         subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", "f32",
                         "--outfile", str(out)], check=True, env=env)  # fmt: skip
