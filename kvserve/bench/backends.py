@@ -127,13 +127,21 @@ async def _read_events(lines: AsyncIterator[bytes], record: Record, began: float
             if "error" in event:
                 record.status = event["error"].get("code", "unknown").upper()
                 record.detail = event["error"].get("message", "")
-            elif event["choices"]:  # kvserve sends one event per token message, even when its text is held back
+            elif _is_token(event):
                 _chunk(record, now - began, 1)
-            elif usage := event.get("usage"):
+            if usage := event.get("usage"):
                 record.num_tokens = usage["completion_tokens"]
                 record.num_prompt_tokens = usage["prompt_tokens"]
                 record.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         record.client_s += time.perf_counter() - now
+
+
+def _is_token(event: dict) -> bool:
+    """Whether a completions event is a token arrival: kvserve sends one event per token message, even when its
+    text is held back (empty); an event with a finish reason and no text (llama.cpp's last, which carries the
+    usage too) is none."""
+    choice = event["choices"][0] if event.get("choices") else None
+    return choice is not None and bool(choice.get("text") or choice.get("finish_reason") is None)
 
 
 def _chunk(record: Record, at_s: float, num_tokens: int) -> None:

@@ -14,7 +14,8 @@ What it does:
 * drives each server through ``kvserve bench load``'s OpenAI client (``bench.backends.OpenAIBackend``: every
   streamed event counts as a token arrival, an empty one held back by a detokenizer included), at each
   ``--users`` (1 user: 6 requests one after another; N users: 4N requests, N in flight), the sides alternating
-  and the order swapping every round;
+  and the order swapping every round, every run on prompts of its own (the same for each side), so that no
+  server's prefix cache holds them;
 * prints output tokens/s and ITL p50/p90 per side and round, the ratios against llama.cpp, and llama.cpp's
   version.
 
@@ -150,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     gguf = f32_gguf(source, model_dir, cache)
     users = [int(u) for u in args.users.split(",")]
     vocab = ModelConfig.from_dir(model_dir).vocab_size
-    requests = random_requests(4 * max(users), args.prompt_len, args.max_tokens, 0.0, vocab, seed=1)
+
+    def prompts(seed: int) -> list:  # new ones for each run: no server reads them from an earlier run's cache
+        return random_requests(4 * max(users), args.prompt_len, args.max_tokens, 0.0, vocab, seed=seed)
+
     sampling = {"temperature": 0, "ignore_eos": True}
     version = llama_version(binary)
     with ExitStack() as stack:
@@ -167,18 +171,19 @@ def main(argv: list[str] | None = None) -> int:
             targets[name] = f"127.0.0.1:{base + 1}"
         backend = OpenAIBackend()
 
-        def run(target: str, n_users: int, n: int) -> LoadResult:
+        def run(target: str, requests: list, n_users: int, n: int) -> LoadResult:
             return asyncio.run(run_load(target, requests, num_requests=n, max_concurrency=n_users, backend=backend,
                                         sampling=sampling))  # fmt: skip
 
         for target in targets.values():
-            run(target, 2, 2)  # warm-up
+            run(target, prompts(0), 2, 2)  # warm-up
         results: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
         for round_ in range(args.rounds):
             for n_users in users:
                 order = list(targets) if round_ % 2 == 0 else list(reversed(targets))
+                requests = prompts(1 + round_ * len(users) + users.index(n_users))  # the same for every side
                 for side in order:
-                    result = run(targets[side], n_users, 6 if n_users == 1 else 4 * n_users)
+                    result = run(targets[side], requests, n_users, 6 if n_users == 1 else 4 * n_users)
                     results.setdefault((side, n_users), []).append(figures(result))
                     print(f"round {round_ + 1}, {n_users} users, {side}: {figures(result)[0]:.1f} tok/s", flush=True)
     print(f"\nllama.cpp: {version} ({'portable' if args.portable else 'native'} build, f32 GGUF, -t cores)")
