@@ -120,7 +120,7 @@ def test_killed_workers_are_restarted_while_serving_goes_on(two_by_two, expected
     assert supervisor.state("decode-0") is State.UP and supervisor.state("prefill-0") is State.UP
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # on demand (pytest -m soak): make test's budget; a killed Redis is tested below
 def test_paused_redis_costs_no_request(two_by_two, expected):
     """Paused for 6 s (an entry lives 5 s unrefreshed), Redis comes back with every worker's entry expired: the
     router keeps routing to the workers it knows while they answer their health checks."""
@@ -245,7 +245,7 @@ def _start_up(port: int, log: Path, engine_argv: list[str]) -> tuple[subprocess.
     raise AssertionError(f"kvserve up exited with {proc.returncode}: {lines}\n{log.read_text()}")
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # about 35 s: on demand (pytest -m soak), outside make test's 15 minutes
 def test_killed_launcher_leaves_no_orphans_and_the_next_start_cleans_up(tmp_path, tiny_model_dir):
     port = free_base_port()
     launcher, lines = _start_up(port, tmp_path / "up.log", tiny_engine_argv(tiny_model_dir))

@@ -17,7 +17,7 @@ def test_cached_decode_equals_full_recompute_and_transformers(llm, hf_model, eng
         scratch = [b for b in owned if b not in block_table][:12]
         tokens = list(engine_prompts[4])  # 47 tokens: the sequence crosses block boundaries while decoding
         logits = forward_tokens(runner, tokens, 0, block_table)[-1]
-        for _ in range(16):  # to 63 tokens
+        for _ in range(8):  # to 55 tokens: across the block boundary at 48
             tokens.append(int(logits.argmax()))
             cached = forward_tokens(runner, tokens[-1:], len(tokens) - 1, block_table)[-1]
             full = forward_tokens(runner, tokens, 0, scratch)[-1]
