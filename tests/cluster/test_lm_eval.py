@@ -93,8 +93,10 @@ def reference(task_manager, model_dir):
     return _samples(results)
 
 
-# batch 1 on demand (pytest -m soak): batch 4 goes through the same requests, several prompts in each
-@pytest.mark.parametrize("batch_size", [pytest.param(1, marks=pytest.mark.soak), 4])
+# on demand (pytest -m soak), outside make test's 15 minutes (about 80 s): the protocol it uses (echo, logprobs,
+# prompt lists, n) is tested in tests/service/test_openai_logprobs.py and test_parallel_sampling_api.py
+@pytest.mark.soak
+@pytest.mark.parametrize("batch_size", [1, 4])
 def test_local_completions_give_the_hf_backends_loglikelihoods_and_generations(served, task_manager, model_dir,
                                                                                reference, batch_size):  # fmt: skip
     model_args = {"base_url": f"{served.http_endpoint}/v1/completions", "model": served.model_name,

@@ -16,6 +16,7 @@ def test_int8_v_greedy_equals_full_precision(engine_prompts, hf_greedy):
     assert [o.token_ids for o in outs] == hf_greedy
 
 
+@pytest.mark.soak  # on demand (pytest -m soak), outside make test's 15 minutes; int8_v's exactness is above
 def test_int8_kv_agreement_rate(engine_prompts, hf_greedy):
     # Quantizing K too costs more accuracy; measured agreement here: 255/256 tokens. Require >= 90%.
     llm = LLM("default", block_size=BLOCK_SIZE, num_blocks=256, kv_cache_dtype="int8")

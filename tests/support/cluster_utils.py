@@ -14,7 +14,7 @@ import torch
 
 from kvserve.client import Client
 from kvserve.launcher.cluster import Cluster, free_base_port, start_cluster
-from kvserve.launcher.plan import ExtraArgv
+from kvserve.launcher.plan import ExtraArgv, threads_per_worker
 from kvserve.launcher.supervisor import RestartPolicy, Supervised, Supervisor
 from kvserve.settings import parse_up
 
@@ -29,10 +29,16 @@ def tiny_engine_argv(model_dir) -> list[str]:
 
 def cluster(num_prefill: int, num_decode: int, log_dir, decode_argv=None, prefill_argv=None,
             http: bool = False, engine_argv: list[str] = ENGINE_ARGV) -> Cluster:  # fmt: skip
-    """``http``: the router also serves the OpenAI-compatible API (``Cluster.http_endpoint``)."""
+    """``http``: the router also serves the OpenAI-compatible API (``Cluster.http_endpoint``).
+
+    The workers split the cores statically (``--threads``, each its share): with ``kvserve up``'s default on a
+    CPU host, the compute lease, each would run on every core while the other pytest-xdist worker computes on
+    one of them (tests/cluster/test_compute_lease.py and test_cluster_plan.py test the lease)."""
     port = free_base_port()
+    threads = threads_per_worker(num_prefill + num_decode)
     up = parse_up(["--prefill", str(num_prefill), "--decode", str(num_decode), "--port", str(port),
-                   "--http-port", str(port + 1 if http else 0), "--log-dir", str(log_dir), *engine_argv])  # fmt: skip
+                   "--http-port", str(port + 1 if http else 0), "--log-dir", str(log_dir), "--threads", str(threads),
+                   *engine_argv])  # fmt: skip
     return start_cluster(up, ExtraArgv(decode=tuple(decode_argv or ()), prefill=tuple(prefill_argv or ())))
 
 
