@@ -104,6 +104,7 @@ def test_without_a_traceparent_or_with_a_malformed_one_the_router_starts_the_tra
     assert all(s.parent_id == "" for s in roots) and len({s.trace_id for s in roots}) == 3
 
 
+@pytest.mark.soak  # about 25 s: on demand (pytest -m soak), outside make test's 15 minutes
 def test_a_moved_stream_shows_both_decode_workers_in_its_trace(traced):
     c, receiver = traced
     trace_id = secrets.token_hex(16)
