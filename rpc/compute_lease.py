@@ -52,10 +52,3 @@ class ComputeLease:
     def __exit__(self, *exc: object) -> None:
         if self.path is not None:
             fcntl.flock(self._turn, fcntl.LOCK_UN)
-
-    def close(self) -> None:
-        for fd in (self._queue, self._turn):
-            if fd >= 0:
-                os.close(fd)
-        self._queue = self._turn = -1
-        self.path = None

@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import urllib.request
 from contextlib import ExitStack
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     sampling = {"temperature": 0, "ignore_eos": True}
     version = llama_version(binary)
     with ExitStack() as stack:
-        logs = Path(stack.enter_context(__import__("tempfile").TemporaryDirectory(prefix="kvserve-peer-")))
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvserve-peer-")))
         port = free_base_port(1)
         llama = start_llama(binary, gguf, port, max(users), args.prompt_len + args.max_tokens + 64, logs / "llama.log")
         stack.callback(llama.kill)
