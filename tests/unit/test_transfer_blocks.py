@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -36,3 +38,20 @@ def test_a_write_outside_the_pool_is_refused_and_writes_nothing():
 def test_chunks_and_the_checksum_of_nothing():
     assert chunked(list(range(40))) == [list(range(16)), list(range(16, 32)), list(range(32, 40))]
     assert chunked([]) == [] and checksum_blocks(KVCache(SPEC, 2, "cpu"), []) == ""
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc/self/statm")
+def test_a_cpu_pool_reads_zero_and_takes_memory_only_for_the_blocks_written():
+    spec = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float32)
+    before = _resident_bytes()
+    pool = KVCache(spec, 4096, "cpu")  # 512 MiB
+    assert pool.buffer.numel() == spec.total_bytes(4096) >= 512 << 20
+    assert _resident_bytes() - before < 64 << 20  # torch.zeros wrote every page at once
+    write_blocks(pool, [4095], bytes(range(256)) * (block_nbytes(pool) // 256))
+    assert read_blocks(pool, [0, 2048]) == bytes(2 * block_nbytes(pool))  # never written: zero
+    assert pool.layers[0].k_cache[4095].flatten().view(torch.uint8)[:3].tolist() == [0, 1, 2]
