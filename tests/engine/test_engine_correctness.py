@@ -59,18 +59,18 @@ def test_text_and_token_prompts_agree(llm, tokenizer):
 
 
 def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(llm, engine_prompts):
-    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
     prompt = engine_prompts[4]
     [alone] = llm.generate([prompt], seeded)
     [again] = llm.generate([prompt], seeded)
     assert alone.token_ids == again.token_ids
-    others = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=s) for s in (1, 2)]
-    unseeded = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    others = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=s) for s in (1, 2)]
+    unseeded = SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True)  # outlives the seeded rows
     batch = llm.generate(
         [engine_prompts[0], prompt, engine_prompts[6], engine_prompts[2]], [others[0], seeded, unseeded, others[1]]
     )
     assert batch[1].token_ids == alone.token_ids
-    [different] = llm.generate([prompt], SamplingParams(temperature=0.9, seed=99, max_tokens=24, ignore_eos=True))
+    [different] = llm.generate([prompt], SamplingParams(temperature=0.9, seed=99, max_tokens=12, ignore_eos=True))
     assert different.token_ids != alone.token_ids
 
 

@@ -287,11 +287,11 @@ def test_a_draft_model_changes_no_token_and_its_acceptance_follows_its_quality(e
     llm = LLM("default", num_blocks=NUM_BLOCKS, max_num_seqs=64, max_num_batched_tokens=48,
               speculative_config={"method": "draft", "model": model, "num_speculative_tokens": 4})  # fmt: skip
     engine, pool = llm.engine, llm.engine.block_manager
-    prompts = _copy_prompts(tokenizer, 8)
-    params = [greedy(24) if i % 2 else SamplingParams(seed=i, temperature=0.9, top_p=0.9, max_tokens=24,
-                                                      ignore_eos=True) for i in range(8)]  # fmt: skip
+    prompts = _copy_prompts(tokenizer, 4)  # two greedy, two seeded; 16 tokens each: 4 draft runs and a verify
+    params = [greedy(16) if i % 2 else SamplingParams(seed=i, temperature=0.9, top_p=0.9, max_tokens=16,
+                                                      ignore_eos=True) for i in range(4)]  # fmt: skip
     want = [o.token_ids for o in base.generate(prompts, params)]
-    got = {f"d-{i}": [] for i in range(8)}
+    got = {f"d-{i}": [] for i in range(4)}
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(prompt, p, f"d-{i}")
     while engine.has_unfinished_requests():
