@@ -85,7 +85,7 @@ class LayerKV:
     v_scale: torch.Tensor | None = None
 
 
-def zeroed_bytes(nbytes: int, device: torch.device | str) -> torch.Tensor:
+def _zeroed_bytes(nbytes: int, device: torch.device | str) -> torch.Tensor:
     """``nbytes`` zero bytes on ``device``. On a CPU they come from an anonymous mapping, whose pages the kernel
     gives zeroed on first touch: a pool of a GiB costs nothing until its blocks are used (``torch.zeros`` wrote
     every page up front, 0.5 to 2 s a GiB here), and the process's resident memory is the blocks it used."""
@@ -104,7 +104,7 @@ class KVCache:
         self.num_blocks = num_blocks
         nbytes = spec.total_bytes(num_blocks)
         if buffer is None:
-            buffer = zeroed_bytes(nbytes, device)
+            buffer = _zeroed_bytes(nbytes, device)
         elif buffer.dtype != torch.uint8 or buffer.numel() != nbytes:
             raise ValueError(f"KV buffer must be {nbytes} uint8 bytes, got {buffer.numel()} of {buffer.dtype}")
         self.buffer = buffer

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from kvserve.bench.ring import rss_mib
 from kvstore import KVCache, KVCacheSpec
 from transfer.blocks import block_nbytes, checksum, checksum_blocks, chunked, read_blocks, write_blocks
 
@@ -40,18 +41,14 @@ def test_chunks_and_the_checksum_of_nothing():
     assert chunked([]) == [] and checksum_blocks(KVCache(SPEC, 2, "cpu"), []) == ""
 
 
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc/self/statm")
 def test_a_cpu_pool_reads_zero_and_takes_memory_only_for_the_blocks_written():
     spec = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float32)
-    before = _resident_bytes()
+    before = rss_mib()
     pool = KVCache(spec, 4096, "cpu")  # 512 MiB
     assert pool.buffer.numel() == spec.total_bytes(4096) >= 512 << 20
-    assert _resident_bytes() - before < 64 << 20  # torch.zeros wrote every page at once
+    assert rss_mib() - before < 64  # MiB; torch.zeros wrote every page at once
     write_blocks(pool, [4095], bytes(range(256)) * (block_nbytes(pool) // 256))
     assert read_blocks(pool, [0, 2048]) == bytes(2 * block_nbytes(pool))  # never written: zero
+    # the bytes written, read back through the layer's view (a copy: exact)
     assert pool.layers[0].k_cache[4095].flatten().view(torch.uint8)[:3].tolist() == [0, 1, 2]
