@@ -1,24 +1,25 @@
 """``kvserve tune``: the tuning table for your model, hardware and workload, and the configuration file it picks.
 
     kvserve tune [--model default|DIR] [--dataset random|shared-prefix|copy|jsonl] [--dataset-path F]
-        [--input-len 256] [--output-len 64] [--num-requests 24] [--ttft-p99 2.0] [--tpot-p99 0.25]
-        [--budget 10m] [--workers N] [--repeats 3] [--output-dir DIR]
+        [--input-len 256] [--output-len 64] [--num-requests 32] [--ttft-slo 2.0] [--tpot-slo 0.25]
+        [--attainment 0.9 | --ttft-p99 S --tpot-p99 S] [--budget 10m] [--workers N] [--repeats 3]
+        [--output-dir DIR]
 
-Goodput at the SLO: the highest request rate at which both the TTFT p99 and the TPOT p99 of the workload stay
-within ``--ttft-p99`` and ``--tpot-p99``, each rate measured by replaying the workload on an engine of that
-setting (``kvserve.bench.tune_replay``: open-loop arrivals on a virtual clock driven by real engine steps). The
-rates form a ladder of fractions of the default setting's capacity (the workload sent all at once). Latency
-grows with the rate, so the goodput is found by bisection on the ladder (``Tuner.search``): a rate that meets
-the SLO rules out every rate below it, one that misses rules out every rate above, and a setting costs about
-four replays, not one per rate. Every setting replays a rate with the same arrivals (its seed is the rate's
-rung), so two settings are compared on the same traffic.
+Goodput at the SLO, as DistServe defines it: the highest request rate at which at least ``--attainment`` of the
+workload's requests have a TTFT within ``--ttft-slo`` and a TPOT within ``--tpot-slo`` (``tune_replay.Slo``;
+``--ttft-p99``/``--tpot-p99`` ask 99% of them). Each rate is measured by replaying the workload on an engine of
+that setting (``kvserve.bench.tune_replay``: open-loop arrivals on a virtual clock driven by real engine steps).
+The rates form a ladder of fractions of the default setting's capacity (the workload sent all at once). Every
+rung of a search replays one arrival pattern, compressed by the rate, so latency grows with the rung, and the
+goodput is found by bisection (``Tuner.search``): a rate that meets the SLO rules out every rate below it, one
+that misses rules out every rate above, and a setting costs about four replays, not one per rate. Every setting
+is searched on the same pattern, so two settings are compared on the same traffic.
 
 A setting is better than another when its goodput is higher or, at equal goodput, when it stays further inside
-the SLO there by more than ``TIE_MARGIN`` (``Trial.headroom``: 1 - the larger of p99 / SLO). A candidate is
-searched only down to the best setting's goodput (below it, it cannot win), and one that comes out better is
-replayed once more at its goodput on other arrivals: it is taken only if it meets the SLO again, so one lucky
-replay does not pick it. The sweep is a coordinate descent from the
-default configuration, one knob at a time in this order:
+the SLO there by more than ``TIE_MARGIN`` (``Trial.headroom``). A candidate is searched only down to the best
+setting's goodput (below it, it cannot win), and one that comes out better is replayed once more at its goodput
+on another arrival pattern: it is taken only if it meets the SLO again, so one lucky replay does not pick it.
+The sweep is a coordinate descent from the default configuration, one knob at a time in this order:
 ``max_num_batched_tokens``, ``max_num_seqs``, block size, the KV cache dtype, prefix caching and speculative
 decoding (n-gram, ``num_speculative_tokens``). Each knob's values are tried outwards from the best so far; a direction
 is abandoned at its first value that is not better than the best (dominated), and the best value is kept before
@@ -28,12 +29,13 @@ With ``--workers N`` (N >= 2) it then splits N workers between prefill and decod
 ``kvserve up`` cluster of the best engine setting, measured with ``kvserve bench load``'s open-loop client at
 the same rate ladder (real time: the ladder's top rate only, then lower ones while the SLO is missed).
 
-Written to ``--output-dir``: ``tuning.md`` and ``tuning.json`` (per setting: goodput, TTFT and TPOT p50/p99 at
-it, KV memory), ``throughput_latency.png`` (per setting, p99 latencies against achieved throughput),
-``kv_memory.png`` (KV bytes in use against sequences running) and ``kvserve.yaml``: the chosen configuration,
-for ``kvserve up --config``, a worker's ``--config`` or ``LLM(**load_config(...))``. Finally the default and
-the chosen configuration are measured again side by side (``tune_output.compare``): ``--repeats`` searches
-each, the two sides alternating, each repeat on arrivals of its own; the medians and their ratio are printed.
+Written to ``--output-dir``: ``tuning.md`` and ``tuning.json`` (per setting: goodput, the attainment, TTFT and
+TPOT p50/p90/p99 at it, KV memory), ``throughput_latency.png`` (per setting, latencies against achieved
+throughput), ``kv_memory.png`` (KV bytes in use against sequences running) and ``kvserve.yaml``: the chosen
+configuration, for ``kvserve up --config``, a worker's ``--config`` or ``LLM(**load_config(...))``. Finally the
+default and the chosen configuration are measured again side by side (``tune_output.compare``), paired: in each
+of ``--repeats`` rounds both are searched on one arrival pattern of that round's own, the two sides alternating
+which goes first; each round's goodputs and ratio, the medians and the median ratio are printed.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ KNOBS: list[tuple[str, list[Any]]] = [  # the scheduler's first: they decide the
 # of the default setting's capacity: finer near it, and above it for the settings that raise it
 RATE_FRACTIONS = (0.25, 0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 2.0, 3.0, 4.0, 6.0)
 TIE_MARGIN = 0.05  # at equal goodput, the headroom (a fraction of the SLO) a setting must gain to be better
-CONFIRM_SEED = 1000  # the confirming replay's arrivals: a seed no rung of a search uses
+SWEEP_SEED = 0  # the arrival pattern every setting of the sweep is searched on
+CONFIRM_SEED = 1000  # the confirming replay's arrivals: a pattern of its own
 
 
 @dataclass
@@ -74,22 +77,24 @@ class Trial:
         """The point at the goodput's rate; for a setting that met the SLO at no rate, its lowest rate's."""
         return next((p for p in self.points if p.rate == self.goodput), self.points[0] if self.points else None)
 
-    def headroom(self, ttft_p99_s: float, tpot_p99_s: float) -> float:
-        """How far inside the SLO the goodput's rate stays: 1 - the larger of p99 / SLO (TTFT, TPOT); -inf
-        when no rate met it. Of two settings with the same goodput, the one with more headroom is better."""
+    def headroom(self, slo) -> float:
+        """How far inside the SLO the goodput's rate stays: 1 - the larger of TTFT's and TPOT's percentile at
+        the attainment (p90 for 90%) over its bound; -inf when no rate met it. Of two settings with the same
+        goodput, the one with more headroom is better."""
         point = self.at_goodput() if self.goodput else None
         if point is None:
             return -math.inf
-        return 1 - max(point.p("ttft", 99) / ttft_p99_s, point.p("tpot", 99) / tpot_p99_s)
+        q = 100 * slo.attainment
+        return 1 - max(point.p("ttft", q) / slo.ttft_s, point.p("tpot", q) / slo.tpot_s)
 
-    def row(self) -> dict[str, Any]:
+    def row(self, slo) -> dict[str, Any]:
         best = self.at_goodput()
-        figures = best.summary() if best is not None else {}
+        figures = best.summary(slo) if best is not None else {}
+        shown = ("attainment", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p90_ms",
+                 "tpot_p99_ms", "output_throughput", "peak_kv_bytes")
         return {"setting": self.setting, "goodput_rps": self.goodput, "searched_from_rps": self.floor,
-                "confirmed": self.confirmed,
-                **{k: figures.get(k, math.nan) for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
-                                                        "tpot_p99_ms", "output_throughput", "peak_kv_bytes")},
-                "points": [p.summary() for p in self.points]}  # fmt: skip
+                "confirmed": self.confirmed, **{k: figures.get(k, math.nan) for k in shown},
+                "points": [p.summary(slo) for p in self.points]}  # fmt: skip
 
 
 def parse_budget(text: str) -> float:
@@ -112,10 +117,8 @@ def engine_options(setting: dict[str, Any]) -> dict[str, Any]:
 class Tuner:
     """Measures settings (``measure``) and walks the knobs (``sweep``) until the deadline."""
 
-    def __init__(self, base: dict[str, Any], requests: list, ttft_p99_s: float, tpot_p99_s: float,
-                 deadline: float, progress=None) -> None:  # fmt: skip
-        self.base, self.requests = base, requests
-        self.ttft_p99_s, self.tpot_p99_s = ttft_p99_s, tpot_p99_s
+    def __init__(self, base: dict[str, Any], requests: list, slo, deadline: float, progress=None) -> None:
+        self.base, self.requests, self.slo = base, requests, slo  # slo: tune_replay.Slo
         self.deadline, self.progress = deadline, progress
         self.rates: list[float] = []
         self.trials: list[Trial] = []
@@ -138,11 +141,11 @@ class Tuner:
                 capacity = replay(engine, self.requests, math.inf).request_throughput
                 self.rates = [round(capacity * f, 4) for f in RATE_FRACTIONS]
             start = min(floor + 1, len(self.rates) - 1) if beat else RATE_FRACTIONS.index(1.0)  # the rung to win
-            self.search(engine, trial, floor, start)
+            self.search(engine, trial, floor, start, SWEEP_SEED)
             if beat is not None and trial.goodput > beat:
                 again = replay(engine, self.requests, trial.goodput, seed=CONFIRM_SEED)
                 trial.points.append(again)
-                trial.confirmed = again.meets(self.ttft_p99_s, self.tpot_p99_s)
+                trial.confirmed = again.meets(self.slo)
         finally:
             engine.close()
         self.trials.append(trial)
@@ -151,17 +154,18 @@ class Tuner:
             self.progress.update(1)
         return trial
 
-    def search(self, engine, trial: Trial, floor: int, start: int, seed: int = 0) -> None:
+    def search(self, engine, trial: Trial, floor: int, start: int, seed: int) -> None:
         """Bisection on the rungs ``floor..`` of the ladder, first probing ``start``: the highest rung that meets
-        the SLO becomes ``trial.goodput`` (0 when even ``floor`` misses). Rung i replays with seed ``seed + i``."""
+        the SLO becomes ``trial.goodput`` (0 when even ``floor`` misses). Every rung replays the arrival pattern
+        of ``seed``, at its own rate."""
         from kvserve.bench.tune_replay import replay
 
         met, missed, rung = floor - 1, len(self.rates), start
         trial.floor = self.rates[floor]
         while missed - met > 1:
-            point = replay(engine, self.requests, self.rates[rung], seed=seed + rung)
+            point = replay(engine, self.requests, self.rates[rung], seed=seed)
             trial.points.append(point)
-            if point.meets(self.ttft_p99_s, self.tpot_p99_s):
+            if point.meets(self.slo):
                 met = rung
             else:
                 missed = rung
@@ -174,8 +178,7 @@ class Tuner:
             return False
         if trial.goodput != than.goodput:
             return trial.goodput > than.goodput
-        slo = (self.ttft_p99_s, self.tpot_p99_s)
-        return trial.goodput > 0 and trial.headroom(*slo) > than.headroom(*slo) + TIE_MARGIN
+        return trial.goodput > 0 and trial.headroom(self.slo) > than.headroom(self.slo) + TIE_MARGIN
 
     def sweep(self, default: dict[str, Any]) -> dict[str, Any]:
         """The best setting coordinate descent finds from ``default`` before the deadline; what the deadline
@@ -215,17 +218,33 @@ def default_setting() -> dict[str, Any]:
 
 
 def write_outputs(out: Path, tuner: Tuner, default: dict[str, Any], chosen: dict[str, Any],
-                  cluster: dict[str, int] | None, slo: dict[str, float]) -> None:  # fmt: skip
+                  cluster: dict[str, int] | None) -> None:  # fmt: skip
+    from dataclasses import asdict
+
     from kvserve.bench.tune_output import write_config, write_plots, write_table
 
     out.mkdir(parents=True, exist_ok=True)
-    rows = [t.row() for t in tuner.trials]
-    (out / "tuning.json").write_text(json.dumps({"slo": slo, "default": default, "chosen": chosen,
+    rows = [t.row(tuner.slo) for t in tuner.trials]
+    slo = tuner.slo
+    (out / "tuning.json").write_text(json.dumps({"slo": asdict(slo), "default": default, "chosen": chosen,
                                                  "cluster": cluster, "trials": rows,
                                                  "not_measured": tuner.skipped}, indent=1, default=str))  # fmt: skip
     write_table(out / "tuning.md", rows, default, chosen, tuner.skipped, slo)
-    write_plots(out, tuner.trials, default)
+    write_plots(out, tuner.trials, default, slo)
     write_config(out / "kvserve.yaml", engine_options(chosen), cluster)
+
+
+def slo_of(args: argparse.Namespace):
+    """The SLO the flags ask for: ``--ttft-p99``/``--tpot-p99`` set a bound with 99% attainment, and cannot be
+    given with ``--attainment``; ``ValueError`` naming the flag otherwise."""
+    from kvserve.bench.tune_replay import Slo
+
+    p99 = args.ttft_p99 is not None or args.tpot_p99 is not None
+    if p99 and args.attainment is not None:
+        raise ValueError("--ttft-p99/--tpot-p99 mean 99% attainment: give --attainment with --ttft-slo/--tpot-slo")
+    ttft = args.ttft_p99 if args.ttft_p99 is not None else args.ttft_slo
+    tpot = args.tpot_p99 if args.tpot_p99 is not None else args.tpot_slo
+    return Slo(ttft, tpot, 0.99 if p99 else 0.9 if args.attainment is None else args.attainment)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,8 +252,12 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="kvserve tune", description=__doc__.split("\n")[0])
     add_workload_args(parser)
-    parser.add_argument("--ttft-p99", type=float, default=2.0, help="the SLO on TTFT's p99, seconds")
-    parser.add_argument("--tpot-p99", type=float, default=0.25, help="the SLO on TPOT's p99, seconds")
+    parser.add_argument("--ttft-slo", type=float, default=2.0, help="a request's TTFT bound, seconds")
+    parser.add_argument("--tpot-slo", type=float, default=0.25, help="a request's TPOT bound, seconds")
+    parser.add_argument("--attainment", type=float, default=None,
+                        help="the fraction of requests that must meet both bounds (default 0.9, DistServe's)")
+    parser.add_argument("--ttft-p99", type=float, default=None, help="--ttft-slo S with 99%% attainment")
+    parser.add_argument("--tpot-p99", type=float, default=None, help="--tpot-slo S with 99%% attainment")
     parser.add_argument("--budget", default="10m", help="time for the sweep: 90s, 10m, 1h")
     parser.add_argument("--workers", type=int, default=0, help="split this many workers into prefill:decode")
     parser.add_argument("--repeats", type=int, default=3, help="searches of each side in the closing side by side")
@@ -242,19 +265,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         budget_s = parse_budget(args.budget)
+        slo = slo_of(args)
     except ValueError as err:
         parser.error(str(err))
     from tqdm import tqdm
 
     base, requests = workload(args)
     default = default_setting()
-    slo = {"ttft_p99_s": args.ttft_p99, "tpot_p99_s": args.tpot_p99}
+    print(f"kvserve tune: goodput at {slo.describe()}")
     started = time.monotonic()
     with tqdm(desc="kvserve tune", unit="setting") as progress:
-        tuner = Tuner(base, requests, args.ttft_p99, args.tpot_p99, started + budget_s, progress)
+        tuner = Tuner(base, requests, slo, started + budget_s, progress)
         chosen = tuner.sweep(default)
     cluster = split_workers(args, base, chosen, requests, tuner) if args.workers >= 2 else None
-    write_outputs(Path(args.output_dir), tuner, default, chosen, cluster, slo)
+    write_outputs(Path(args.output_dir), tuner, default, chosen, cluster)
     print((Path(args.output_dir) / "tuning.md").read_text())
     compare(tuner, default, chosen, args.repeats)
     return 0

@@ -24,7 +24,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--input-len", type=int, default=256)
     data.add_argument("--output-len", type=int, default=64)
     data.add_argument("--range-ratio", type=float, default=0.0)
-    data.add_argument("--num-requests", type=int, default=24, help="requests per measured rate")
+    data.add_argument("--num-requests", type=int, default=32, help="requests per measured rate")
     data.add_argument("--num-prefixes", type=int, default=4)
     data.add_argument("--questions-per-prefix", type=int, default=6)
     data.add_argument("--prefix-len", type=int, default=256)
@@ -53,17 +53,17 @@ def workload(args: argparse.Namespace) -> tuple[dict[str, Any], list]:
 
 
 def write_table(path: Path, rows: list[dict[str, Any]], default: dict[str, Any], chosen: dict[str, Any],
-                skipped: list[dict[str, Any]], slo: dict[str, float]) -> None:  # fmt: skip
-    lines = [f"# kvserve tune: goodput at TTFT p99 <= {slo['ttft_p99_s']} s and TPOT p99 <= {slo['tpot_p99_s']} s",
-             "", "| setting (changes from the default) | goodput req/s | TTFT p50/p99 ms | TPOT p50/p99 ms | "
-             "output tok/s | KV MiB |", "|---|---|---|---|---|---|"]  # fmt: skip
+                skipped: list[dict[str, Any]], slo) -> None:  # fmt: skip
+    lines = [f"# kvserve tune: goodput at {slo.describe()}", "",
+             "| setting (changes from the default) | goodput req/s | within SLO | TTFT p50/p90/p99 ms | "
+             "TPOT p50/p90/p99 ms | output tok/s | KV MiB |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in sorted(rows, key=lambda r: -r["goodput_rps"]):
         mark = " **(chosen)**" if row["setting"] == chosen else ""
         goodput = f"{row['goodput_rps']:.3g}" if row["goodput_rps"] else f"< {row['searched_from_rps']:.3g}"
         goodput += "" if row["confirmed"] else " (a second replay missed it)"
-        lines.append(f"| {_changes(row['setting'], default)}{mark} | {goodput} | "
-                     f"{row['ttft_p50_ms']:.0f} / {row['ttft_p99_ms']:.0f} | {row['tpot_p50_ms']:.0f} / "
-                     f"{row['tpot_p99_ms']:.0f} | {row['output_throughput']:.1f} | "
+        ttft, tpot = ("/".join(f"{row[f'{what}_p{q}_ms']:.0f}" for q in (50, 90, 99)) for what in ("ttft", "tpot"))
+        lines.append(f"| {_changes(row['setting'], default)}{mark} | {goodput} | {row['attainment']:.0%} | "
+                     f"{ttft} | {tpot} | {row['output_throughput']:.1f} | "
                      f"{row['peak_kv_bytes'] / 2**20:.1f} |")  # fmt: skip
     if skipped:
         lines += ["", "Not measured (the budget ran out): " + "; ".join(_changes(s, default) for s in skipped)]
@@ -74,17 +74,20 @@ def _changes(setting: dict[str, Any], default: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in setting.items() if default.get(k) != v) or "default"
 
 
-def write_plots(out: Path, trials: list, default: dict[str, Any]) -> None:
+def write_plots(out: Path, trials: list, default: dict[str, Any], slo) -> None:
     from kvserve.bench.plots import _pyplot
 
     plt = _pyplot()
+    q = round(100 * slo.attainment)  # the percentile the attainment bounds
     fig, (ttft, tpot) = plt.subplots(1, 2, figsize=(13, 5))
     for trial in trials:
-        x = [p.output_throughput for p in trial.points]
+        points = sorted(trial.points, key=lambda p: p.output_throughput)
+        x = [p.output_throughput for p in points]
         label = _changes(trial.setting, default)[:40]
-        ttft.plot(x, [p.p("ttft", 99) * 1e3 for p in trial.points], "-o", label=label, markersize=3)
-        tpot.plot(x, [p.p("tpot", 99) * 1e3 for p in trial.points], "-o", label=label, markersize=3)
-    for ax, what in ((ttft, "TTFT p99 (ms)"), (tpot, "TPOT p99 (ms)")):
+        ttft.plot(x, [p.p("ttft", q) * 1e3 for p in points], "-o", label=label, markersize=3)
+        tpot.plot(x, [p.p("tpot", q) * 1e3 for p in points], "-o", label=label, markersize=3)
+    for ax, what, bound in ((ttft, f"TTFT p{q} (ms)", slo.ttft_s), (tpot, f"TPOT p{q} (ms)", slo.tpot_s)):
+        ax.axhline(bound * 1e3, color="grey", linestyle="--", linewidth=1)
         ax.set(xlabel="output tokens/s (achieved)", ylabel=what, yscale="log")
         ax.grid(alpha=0.3)
     ttft.legend(fontsize=7)
@@ -117,9 +120,10 @@ def write_config(path: Path, options: dict[str, Any], cluster: dict[str, int] | 
 
 
 def compare(tuner, default: dict[str, Any], chosen: dict[str, Any], repeats: int = 3) -> dict[str, list[float]]:
-    """The default's and the chosen setting's goodput again, ``repeats`` searches each on engines built once: the
-    sides alternate (which goes first swaps every repeat), and each repeat replays arrivals of its own. Prints
-    each repeat's goodputs, the medians and their ratio."""
+    """The default's and the chosen setting's goodput again, paired: ``repeats`` rounds on engines built once, in
+    each of which both sides are searched on one arrival pattern of the round's own, the side that goes first
+    swapping every round. Prints each round's goodputs and ratio, the medians, and the median of the rounds'
+    ratios (the pairing takes the pattern's luck out of each ratio)."""
     import statistics
 
     from engine import LLMEngine
@@ -141,17 +145,19 @@ def compare(tuner, default: dict[str, Any], chosen: dict[str, Any], repeats: int
         for engine in engines.values():
             engine.close()
     goodputs = {side: [t.goodput for t in ts] for side, ts in trials.items()}
+    q = round(100 * tuner.slo.attainment)
     rows = []
     for side, ts in trials.items():
         median = statistics.median(goodputs[side])
         point = next((t.at_goodput() for t in ts if t.goodput == median and t.goodput), None)
-        figures = [round(point.p(w, 99) * 1e3) for w in ("ttft", "tpot")] if point is not None else ["-", "-"]
+        figures = ([f"{point.attainment(tuner.slo):.0%}", *(round(point.p(w, q) * 1e3) for w in ("ttft", "tpot"))]
+                   if point is not None else ["-", "-", "-"])  # fmt: skip
         rows.append([side, " ".join(f"{g:g}" for g in goodputs[side]), f"{median:g}", *figures])
-    print(report.table(["side by side", "goodput req/s, each repeat", "median", "TTFT p99 ms", "TPOT p99 ms"],
-                       rows))  # fmt: skip
-    default_median, tuned_median = (statistics.median(goodputs[side]) for side in sides)
-    ratio = tuned_median / default_median if default_median else math.inf
-    print(f"tuned / default goodput (medians of {repeats}): {ratio:.2f}x")
+    print(report.table(["side by side", "goodput req/s, each round", "median", "within SLO", f"TTFT p{q} ms",
+                        f"TPOT p{q} ms"], rows))  # fmt: skip
+    ratios = [t / d if d else math.inf for d, t in zip(goodputs["default"], goodputs["tuned"], strict=True)]
+    print("tuned / default goodput, each round: " + " ".join(f"{r:.2f}x" for r in ratios))
+    print(f"tuned / default goodput (median of {repeats} paired rounds): {statistics.median(ratios):.2f}x")
     return goodputs
 
 
@@ -161,6 +167,7 @@ def split_workers(args: argparse.Namespace, base: dict[str, Any], chosen: dict[s
     of the chosen engine setting measured in real time down the rate ladder; None when the budget is spent."""
     from kvserve.bench.loadgen import run_load
     from kvserve.bench.tune import engine_options
+    from kvserve.bench.tune_replay import RatePoint
     from kvserve.launcher.cluster import free_base_port, start_cluster
     from kvserve.settings import parse_up
 
@@ -181,8 +188,9 @@ def split_workers(args: argparse.Namespace, base: dict[str, Any], chosen: dict[s
             for rate in sorted(tuner.rates, reverse=True):
                 result = asyncio.run(run_load(cluster.endpoint, requests, request_rate=rate,
                                               sampling={"temperature": 0, "ignore_eos": True}))  # fmt: skip
-                if (result.percentile("ttft_s", 99) <= tuner.ttft_p99_s
-                        and result.percentile("tpot_s", 99) <= tuner.tpot_p99_s):  # fmt: skip
+                point = RatePoint(rate, [r.ttft_s if r.ok else math.inf for r in result.records],
+                                  [r.tpot_s for r in result.records])  # fmt: skip
+                if point.meets(tuner.slo):
                     goodput = rate
                     break
         finally:

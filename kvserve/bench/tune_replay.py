@@ -7,6 +7,10 @@ that made its first token (arrivals during a step wait for the next one, as they
 the mean time per output token after the first. Requests decode greedily with EOS ignored, so each runs to
 its ``max_tokens``; their KV use is sampled after every step, against the sequences running then.
 
+A replay's arrivals are one pattern of gaps drawn from ``seed``, divided by the rate: two rates replayed with one
+seed see the same bursts and lulls, compressed, so the latencies a search compares grow with the rate and not with
+the luck of the draw (``Slo`` says when a replay meets the SLO).
+
 Each replay's prompts begin with a token (or, for text, a line) of their own, so that no replay finds the
 prompts of an earlier one in the engine's prefix cache: what is shared inside one replay (``shared-prefix``'s
 system prompts) stays shared, and every rate of a ladder runs on the same engine as cold as the first.
@@ -29,9 +33,32 @@ _SALTS = itertools.count(1)
 _FIRST_SALT_TOKEN = 100  # clear of the special tokens at the bottom of the vocabulary (as the datasets are)
 
 
+@dataclass(frozen=True)
+class Slo:
+    """A service-level objective as DistServe defines goodput's: a request meets it when its TTFT is at most
+    ``ttft_s`` and its TPOT at most ``tpot_s``; a replay meets it when at least ``attainment`` of its requests
+    do. A fraction, not a p99 of each: over the tens of requests a replay has, a p99 is their maximum, and one
+    slow step would decide it."""
+
+    ttft_s: float
+    tpot_s: float
+    attainment: float = 0.9
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"the SLO's {name[:4].upper()} bound must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 < self.attainment <= 1:
+            raise ValueError(f"--attainment must be in (0, 1], got {self.attainment}")
+
+    def describe(self) -> str:
+        return f"{self.attainment:.0%} of requests within TTFT {self.ttft_s:g} s and TPOT {self.tpot_s:g} s"
+
+
 @dataclass
 class RatePoint:
-    """One replay's figures; latencies in seconds."""
+    """One replay's figures; latencies in seconds, one entry per request in the order they finished (TPOT NaN
+    for a request of one output token)."""
 
     rate: float  # requests per second asked for
     ttft_s: list[float] = field(default_factory=list)
@@ -41,7 +68,7 @@ class RatePoint:
     kv_samples: list[tuple[int, int]] = field(default_factory=list)  # (sequences running, KV bytes in use)
 
     def p(self, what: str, q: float) -> float:
-        values = self.ttft_s if what == "ttft" else self.tpot_s
+        values = [v for v in (self.ttft_s if what == "ttft" else self.tpot_s) if not math.isnan(v)]
         return float(np.percentile(values, q)) if values else math.nan
 
     @property
@@ -56,20 +83,35 @@ class RatePoint:
     def peak_kv_bytes(self) -> int:
         return max((b for _, b in self.kv_samples), default=0)
 
-    def meets(self, ttft_p99_s: float, tpot_p99_s: float) -> bool:
-        return self.p("ttft", 99) <= ttft_p99_s and self.p("tpot", 99) <= tpot_p99_s
+    def attainment(self, slo: Slo) -> float:
+        """The fraction of requests within both of the SLO's bounds (0 for a replay of none)."""
+        pairs = zip(self.ttft_s, self.tpot_s, strict=True)
+        within = [ttft <= slo.ttft_s and not tpot > slo.tpot_s for ttft, tpot in pairs]  # NaN TPOT: one token
+        return sum(within) / len(within) if within else 0.0
 
-    def summary(self) -> dict[str, float]:
-        return {"rate": self.rate, "request_throughput": self.request_throughput,
-                "output_throughput": self.output_throughput, "ttft_p50_ms": self.p("ttft", 50) * 1e3,
-                "ttft_p99_ms": self.p("ttft", 99) * 1e3, "tpot_p50_ms": self.p("tpot", 50) * 1e3,
-                "tpot_p99_ms": self.p("tpot", 99) * 1e3, "peak_kv_bytes": self.peak_kv_bytes}  # fmt: skip
+    def meets(self, slo: Slo) -> bool:
+        return self.attainment(slo) >= slo.attainment
+
+    def summary(self, slo: Slo | None = None) -> dict[str, float]:
+        figures = {"rate": self.rate, "request_throughput": self.request_throughput,
+                   "output_throughput": self.output_throughput, "peak_kv_bytes": self.peak_kv_bytes}
+        for what in ("ttft", "tpot"):
+            figures |= {f"{what}_p{q}_ms": self.p(what, q) * 1e3 for q in (50, 90, 99)}
+        if slo is not None:
+            figures["attainment"] = self.attainment(slo)
+        return figures
+
+
+def arrival_times(count: int, rate: float, seed: int) -> list[float]:
+    """Poisson arrivals at ``rate`` per second: the pattern of ``seed`` at 1 per second, divided by the rate."""
+    gaps = arrival_gaps(1.0, 1.0, random.Random(seed))
+    return [float(t) / rate for t in np.cumsum([next(gaps) for _ in range(count)])]
 
 
 def replay(engine: LLMEngine, requests: list[BenchRequest], rate: float, seed: int = 0) -> RatePoint:
-    """Run ``requests`` through ``engine`` (empty, and left empty) at ``rate`` requests per second."""
-    gaps = arrival_gaps(rate, 1.0, random.Random(seed))
-    arrivals = list(np.cumsum([next(gaps) for _ in requests]))
+    """Run ``requests`` through ``engine`` (empty, and left empty) at ``rate`` requests per second, on the
+    arrival pattern of ``seed`` (the same pattern at every rate)."""
+    arrivals = arrival_times(len(requests), rate, seed)
     bytes_per_block = engine.runner.kv_cache.spec.bytes_per_block()
     pool = engine.block_manager.pool
     salt = next(_SALTS)
@@ -97,8 +139,9 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], rate: float, seed: i
             if out.finished:
                 begun = arrived[out.request_id]
                 point.ttft_s.append(first_token[out.request_id] - begun)
-                if out.num_output_tokens > 1:
-                    point.tpot_s.append((clock - first_token[out.request_id]) / (out.num_output_tokens - 1))
+                tokens_after_first = out.num_output_tokens - 1
+                point.tpot_s.append((clock - first_token[out.request_id]) / tokens_after_first
+                                    if tokens_after_first else math.nan)  # fmt: skip
                 point.num_output_tokens += out.num_output_tokens
     point.span_s = clock - (arrivals[0] if arrivals else 0.0)
     return point

@@ -12,13 +12,14 @@ import pytest
 from kvserve.bench import tune
 from kvserve.bench.datasets import random_requests
 from kvserve.bench.tune_output import split_workers, write_config
+from kvserve.bench.tune_replay import Slo
 
 
 @pytest.mark.soak  # two clusters, one after the other: on demand (pytest -m soak tests/cluster/test_tune_split.py)
 def test_each_split_is_a_real_cluster_and_the_best_one_is_kept(tiny_model_dir, tmp_path, capsys):
     requests = random_requests(4, 24, 4, 0.0, 1000)
     base = {"model": str(tiny_model_dir), "device": "cpu", "skip_tokenizer_init": True}
-    tuner = tune.Tuner(base, requests, ttft_p99_s=30.0, tpot_p99_s=5.0, deadline=math.inf)
+    tuner = tune.Tuner(base, requests, Slo(30.0, 5.0), deadline=math.inf)
     tuner.rates = [0.5, 50.0]  # the ladder: the top rate first, a lower one while the SLO is missed
     chosen = {**tune.default_setting(), "max_num_seqs": 8}
     split = split_workers(argparse.Namespace(workers=2), base, chosen, requests, tuner)

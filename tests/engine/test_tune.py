@@ -4,6 +4,7 @@ the plots and a configuration file that ``LLM(**load_config(...))`` takes."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import time
@@ -15,7 +16,9 @@ from engine.config_file import load_config
 from engine.llm import LLM
 from kvserve.bench import tune
 from kvserve.bench.datasets import random_requests
-from kvserve.bench.tune_replay import RatePoint, replay
+from kvserve.bench.tune_replay import RatePoint, Slo, replay
+
+SLO = Slo(ttft_s=1.0, tpot_s=1.0, attainment=0.9)
 
 
 def test_the_replay_jumps_over_idle_time_and_times_each_request_from_its_arrival(tiny_model_dir):
@@ -50,7 +53,7 @@ def test_coordinate_descent_keeps_the_best_and_never_measures_a_dominated_value(
     goodputs = {(4096, 256): 0.5, (2048, 256): 0.8, (1024, 256): 0.7, (2048, 64): 1.0, (2048, 32): 0.9}
     measured: list[dict] = []
     monkeypatch.setattr(tune.Tuner, "measure", _fake_measure(goodputs, measured))
-    tuner = tune.Tuner({}, [], 1.0, 1.0, deadline=math.inf)
+    tuner = tune.Tuner({}, [], SLO, deadline=math.inf)
     chosen = tuner.sweep(tune.default_setting())
     assert (chosen["max_num_batched_tokens"], chosen["max_num_seqs"]) == (2048, 64)
     at_2048 = {**tune.default_setting(), "max_num_batched_tokens": 2048}
@@ -61,43 +64,107 @@ def test_coordinate_descent_keeps_the_best_and_never_measures_a_dominated_value(
     assert not tuner.skipped
 
 
-def _fake_replay(limit: float, calls: list, miss_seeds=()):
-    """A replay that meets a 1 s TTFT p99 up to ``limit`` req/s (except on ``miss_seeds``), recording each call."""
+def _fake_replay(limit, calls: list, miss_seeds=()):
+    """A replay of 10 requests that meets ``SLO`` up to ``limit`` req/s (a number, or a function of the engine)
+    except on ``miss_seeds``: 9 requests within it and one slow one; past it, 8 within. Records each call."""
 
     def replay(engine, requests, rate, seed=0):
         calls.append((rate, seed))
-        point = RatePoint(rate)
-        point.ttft_s = [0.5 if rate <= limit and seed not in miss_seeds else 2.0]
-        point.tpot_s = [0.01]
-        return point
+        bound = limit(engine) if callable(limit) else limit
+        within = 9 if rate <= bound and seed not in miss_seeds else 8
+        return RatePoint(rate, [0.5] * within + [2.0] * (10 - within), [0.01] * 10)
 
     return replay
 
 
-def test_the_goodput_is_found_by_bisection_each_rung_on_its_own_arrivals(monkeypatch):
+def test_a_replay_meets_the_slo_by_the_fraction_of_requests_within_both_bounds():
+    point = RatePoint(1.0, [0.5, 0.5, 0.5, 3.0], [0.1, 2.0, math.nan, 0.1])  # NaN: a request of one token
+    assert point.attainment(SLO) == 0.5  # the 2nd is over on TPOT, the 4th on TTFT
+    assert point.meets(Slo(1.0, 1.0, attainment=0.5)) and not point.meets(Slo(1.0, 1.0, attainment=0.51))
+    assert point.attainment(Slo(5.0, 5.0)) == 1.0 and RatePoint(1.0).attainment(SLO) == 0.0
+    with pytest.raises(ValueError, match="attainment"):
+        Slo(1.0, 1.0, attainment=1.5)
+    with pytest.raises(ValueError, match="TPOT bound"):
+        Slo(1.0, 0.0)
+
+
+def _slo_flags(**given) -> argparse.Namespace:
+    return argparse.Namespace(**{"ttft_slo": 2.0, "tpot_slo": 0.25, "attainment": None, "ttft_p99": None,
+                                 "tpot_p99": None, **given})  # fmt: skip
+
+
+def test_the_slo_flags_p99_means_99_percent_and_is_not_mixed_with_attainment(capsys):
+    with pytest.raises(SystemExit):  # refused before any engine is built
+        tune.main(["--ttft-p99", "2", "--attainment", "0.9"])
+    assert "--ttft-p99/--tpot-p99 mean 99% attainment" in capsys.readouterr().err
+    assert tune.slo_of(_slo_flags()) == Slo(2.0, 0.25, 0.9)
+    assert tune.slo_of(_slo_flags(ttft_p99=3.0)) == Slo(3.0, 0.25, 0.99)
+    assert tune.slo_of(_slo_flags(attainment=0.5, tpot_slo=0.1)) == Slo(2.0, 0.1, 0.5)
+    with pytest.raises(ValueError, match="--attainment must be in"):
+        tune.slo_of(_slo_flags(attainment=0.0))
+
+
+def test_every_rate_replays_one_arrival_pattern_compressed():
+    from kvserve.bench.tune_replay import arrival_times
+
+    slow, fast = arrival_times(20, 1.0, seed=3), arrival_times(20, 4.0, seed=3)
+    assert fast == pytest.approx([t / 4 for t in slow], rel=1e-12) and slow == sorted(slow) and slow[-1] > 0
+    assert arrival_times(20, 1.0, seed=4) != slow and arrival_times(3, math.inf, seed=3) == [0.0] * 3
+
+
+def test_the_goodput_is_found_by_bisection_on_one_arrival_pattern(monkeypatch):
     calls: list = []
     monkeypatch.setattr("kvserve.bench.tune_replay.replay", _fake_replay(3.3, calls))
-    tuner = tune.Tuner({}, [], 1.0, 1.0, deadline=math.inf)
+    tuner = tune.Tuner({}, [], SLO, deadline=math.inf)
     tuner.rates = [0.25, 0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 2.0, 3.0, 4.0, 6.0]
     trial = tune.Trial({})
-    tuner.search(None, trial, floor=0, start=4)
+    tuner.search(None, trial, floor=0, start=4, seed=7)
     assert trial.goodput == 3.0
-    assert calls == [(1.0, 4), (2.0, 8), (4.0, 10), (3.0, 9)]  # 4 replays for 12 rungs; none below 1.0
+    assert calls == [(1.0, 7), (2.0, 7), (4.0, 7), (3.0, 7)]  # 4 replays for 12 rungs; none below 1.0
     calls.clear()
     low = tune.Trial({})
     monkeypatch.setattr("kvserve.bench.tune_replay.replay", _fake_replay(0.6, calls))
-    tuner.search(None, low, floor=0, start=4)
+    tuner.search(None, low, floor=0, start=4, seed=0)
     assert low.goodput == 0.5 and [rate for rate, _ in calls] == [1.0, 0.5, 0.7]
     calls.clear()
-    tuner.search(None, floored := tune.Trial({}), floor=5, start=6)  # a candidate against a best of 1.0 req/s
+    tuner.search(None, floored := tune.Trial({}), floor=5, start=6, seed=0)  # against a best of 1.0 req/s
     assert floored.goodput == 0.0 and floored.floor == 1.15 and [rate for rate, _ in calls] == [1.3, 1.15]
+
+
+class _Engine:
+    def __init__(self, **options) -> None:
+        self.options = options
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_side_by_side_pairs_both_sides_on_each_rounds_pattern(monkeypatch, capsys):
+    from kvserve.bench.tune_output import compare
+
+    calls: list = []
+    # the tuned side (max_num_seqs 8) meets the SLO up to 1.5 req/s, the default up to 1.0
+    limit = lambda engine: 1.5 if engine.options.get("max_num_seqs") == 8 else 1.0  # noqa: E731
+    monkeypatch.setattr("kvserve.bench.tune_replay.replay", _fake_replay(limit, calls))
+    monkeypatch.setattr("engine.LLMEngine", _Engine)
+    tuner = tune.Tuner({}, [], SLO, deadline=math.inf)
+    tuner.rates = [0.25, 0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 2.0, 3.0, 4.0, 6.0]
+    goodputs = compare(tuner, {"max_num_seqs": 256}, {"max_num_seqs": 8}, repeats=3)
+    assert goodputs == {"default": [1.0] * 3, "tuned": [1.5] * 3}
+    searched = [seed for rate, seed in calls if rate != math.inf]  # the warm-ups are at inf
+    rounds = sorted(set(searched))
+    assert len(rounds) == 3  # a pattern per round, each searched by both sides
+    for seed in rounds:
+        assert searched.count(seed) == 8  # 4 bisection probes per side
+    out = capsys.readouterr().out
+    assert "each round: 1.50x 1.50x 1.50x" in out and "(median of 3 paired rounds): 1.50x" in out
 
 
 def test_a_candidate_that_beats_the_best_once_but_not_on_other_arrivals_is_not_taken(monkeypatch):
     calls: list = []
     monkeypatch.setattr("kvserve.bench.tune_replay.replay", _fake_replay(1.6, calls, miss_seeds={tune.CONFIRM_SEED}))
-    monkeypatch.setattr("engine.LLMEngine", lambda **options: type("Engine", (), {"close": lambda self: None})())
-    tuner = tune.Tuner({}, [], 1.0, 1.0, deadline=math.inf)
+    monkeypatch.setattr("engine.LLMEngine", _Engine)
+    tuner = tune.Tuner({}, [], SLO, deadline=math.inf)
     tuner.rates = [0.25, 0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 2.0, 3.0, 4.0, 6.0]
     best = tune.Trial({}, [RatePoint(1.0)], goodput=1.0)
     lucky = tuner.measure({"block_size": 32}, floor=4, beat=1.0)
@@ -110,7 +177,7 @@ def test_a_candidate_that_beats_the_best_once_but_not_on_other_arrivals_is_not_t
 def test_what_the_budget_leaves_is_listed_not_measured(monkeypatch):
     measured: list[dict] = []
     monkeypatch.setattr(tune.Tuner, "measure", _fake_measure({}, measured))
-    tuner = tune.Tuner({}, [], 1.0, 1.0, deadline=0.0)  # already spent: only the default is measured
+    tuner = tune.Tuner({}, [], SLO, deadline=0.0)  # already spent: only the default is measured
     assert tuner.sweep(tune.default_setting()) == tune.default_setting() and len(measured) == 1
     assert {"kv_cache_dtype": "int8"}.items() <= next(s for s in tuner.skipped if s["kv_cache_dtype"] == "int8").items()
     assert len(tuner.skipped) == sum(len(values) - 1 for _, values in tune.KNOBS)
@@ -119,7 +186,7 @@ def test_what_the_budget_leaves_is_listed_not_measured(monkeypatch):
 def test_a_run_writes_the_table_the_plots_and_a_config_file_the_engine_takes(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "tune"
     status = tune.main(["--model", str(tiny_model_dir), "--num-requests", "4", "--input-len", "24", "--output-len",
-                        "4", "--budget", "1s", "--output-dir", str(out), "--ttft-p99", "30", "--tpot-p99", "5",
+                        "4", "--budget", "1s", "--output-dir", str(out), "--ttft-slo", "30", "--tpot-slo", "5",
                         "--repeats", "1"])
     assert status == 0
     assert {p.name for p in out.iterdir()} == {"tuning.md", "tuning.json", "throughput_latency.png",
@@ -134,7 +201,8 @@ def test_a_run_writes_the_table_the_plots_and_a_config_file_the_engine_takes(tin
         assert len(llm.generate([[1, 2, 3]])[0].token_ids) > 0
     finally:
         llm.engine.close()
-    assert "tuned / default goodput (medians of 1):" in capsys.readouterr().out
+    assert result["slo"] == {"ttft_s": 30.0, "tpot_s": 5.0, "attainment": 0.9}
+    assert "(median of 1 paired rounds):" in capsys.readouterr().out
 
 
 def test_a_bad_budget_is_refused():
