@@ -18,7 +18,8 @@ is searched on the same pattern, so two settings are compared on the same traffi
 A setting is better than another when its goodput is higher or, at equal goodput, when it stays further inside
 the SLO there by more than ``TIE_MARGIN`` (``Trial.headroom``). A candidate is searched only down to the best
 setting's goodput (below it, it cannot win), and one that comes out better is replayed once more at its goodput
-on another arrival pattern: it is taken only if it meets the SLO again, so one lucky replay does not pick it.
+on another arrival pattern, and so is the best: it is taken only if it stays further inside the SLO there too
+(``Tuner.confirm``), so one lucky replay does not pick it.
 The sweep is a coordinate descent from the default configuration, one knob at a time in this order:
 ``max_num_batched_tokens``, ``max_num_seqs``, block size, the KV cache dtype, prefix caching and speculative
 decoding (n-gram, ``num_speculative_tokens``). Each knob's values are tried outwards from the best so far; a direction
@@ -78,14 +79,10 @@ class Trial:
         return next((p for p in self.points if p.rate == self.goodput), self.points[0] if self.points else None)
 
     def headroom(self, slo) -> float:
-        """How far inside the SLO the goodput's rate stays: 1 - the larger of TTFT's and TPOT's percentile at
-        the attainment (p90 for 90%) over its bound; -inf when no rate met it. Of two settings with the same
+        """``headroom`` at the goodput's rate; -inf when no rate met the SLO. Of two settings with the same
         goodput, the one with more headroom is better."""
         point = self.at_goodput() if self.goodput else None
-        if point is None:
-            return -math.inf
-        q = 100 * slo.attainment
-        return 1 - max(point.p("ttft", q) / slo.ttft_s, point.p("tpot", q) / slo.tpot_s)
+        return -math.inf if point is None else headroom(point, slo)
 
     def row(self, slo) -> dict[str, Any]:
         best = self.at_goodput()
@@ -95,6 +92,13 @@ class Trial:
         return {"setting": self.setting, "goodput_rps": self.goodput, "searched_from_rps": self.floor,
                 "confirmed": self.confirmed, **{k: figures.get(k, math.nan) for k in shown},
                 "points": [p.summary(slo) for p in self.points]}  # fmt: skip
+
+
+def headroom(point, slo) -> float:
+    """How far inside the SLO a replay stays: 1 - the larger of TTFT's and TPOT's percentile at the attainment
+    (p90 for 90%) over its bound. Negative when that percentile is past its bound."""
+    q = 100 * slo.attainment
+    return 1 - max(point.p("ttft", q) / slo.ttft_s, point.p("tpot", q) / slo.tpot_s)
 
 
 def parse_budget(text: str) -> float:
@@ -127,9 +131,9 @@ class Tuner:
     def out_of_time(self) -> bool:
         return time.monotonic() >= self.deadline
 
-    def measure(self, setting: dict[str, Any], floor: int = 0, beat: float | None = None) -> Trial:
-        """Build the setting's engine and search its goodput on the ladder's rungs from ``floor`` up; a goodput
-        over ``beat`` (the best so far) is replayed once more, on other arrivals, and stands only if it holds."""
+    def measure(self, setting: dict[str, Any], floor: int = 0, beat: Trial | None = None) -> Trial:
+        """Build the setting's engine and search its goodput on the ladder's rungs from ``floor`` up. A goodput
+        over ``beat``'s (the best so far) is checked on another arrival pattern, paired (``confirm``)."""
         from engine import LLMEngine
         from kvserve.bench.tune_replay import replay
 
@@ -140,12 +144,10 @@ class Tuner:
             if not self.rates:  # the ladder, from the first (default) setting's capacity
                 capacity = replay(engine, self.requests, math.inf).request_throughput
                 self.rates = [round(capacity * f, 4) for f in RATE_FRACTIONS]
-            start = min(floor + 1, len(self.rates) - 1) if beat else RATE_FRACTIONS.index(1.0)  # the rung to win
+            start = min(floor + 1, len(self.rates) - 1) if beat and beat.goodput else RATE_FRACTIONS.index(1.0)
             self.search(engine, trial, floor, start, SWEEP_SEED)
-            if beat is not None and trial.goodput > beat:
-                again = replay(engine, self.requests, trial.goodput, seed=CONFIRM_SEED)
-                trial.points.append(again)
-                trial.confirmed = again.meets(self.slo)
+            if beat is not None and trial.goodput > beat.goodput:
+                self.confirm(engine, trial, beat)
         finally:
             engine.close()
         self.trials.append(trial)
@@ -153,6 +155,23 @@ class Tuner:
             self.progress.set_postfix_str(f"{_shown(setting)}: {trial.goodput:g} req/s")
             self.progress.update(1)
         return trial
+
+    def confirm(self, engine, trial: Trial, best: Trial) -> None:
+        """Replay ``trial``'s setting (on ``engine``) and ``best``'s at ``trial``'s goodput on another arrival
+        pattern: ``trial`` stands only if it stays further inside the SLO there than ``best`` by over
+        ``TIE_MARGIN``. Paired, because a pattern can be harder for every setting: beating the best on the sweep's
+        pattern by one lucky replay does not pass, and neither setting need meet the SLO on the other one."""
+        from engine import LLMEngine
+        from kvserve.bench.tune_replay import replay
+
+        again = replay(engine, self.requests, trial.goodput, seed=CONFIRM_SEED)
+        rival_engine = LLMEngine(**self.base, **engine_options(best.setting))
+        try:
+            rival = replay(rival_engine, self.requests, trial.goodput, seed=CONFIRM_SEED)
+        finally:
+            rival_engine.close()
+        trial.points.append(again)
+        trial.confirmed = headroom(again, self.slo) > headroom(rival, self.slo) + TIE_MARGIN
 
     def search(self, engine, trial: Trial, floor: int, start: int, seed: int) -> None:
         """Bisection on the rungs ``floor..`` of the ladder, first probing ``start``: the highest rung that meets
@@ -194,7 +213,7 @@ class Tuner:
                         self.skipped.append(candidate)
                         i += direction
                         continue
-                    trial = self.measure(candidate, floor=self.rung(best.goodput), beat=best.goodput)
+                    trial = self.measure(candidate, floor=self.rung(best.goodput), beat=best)
                     if not self.better(trial, best):
                         break  # the values further this way are taken as dominated
                     best, i = trial, i + direction

@@ -64,15 +64,14 @@ def test_coordinate_descent_keeps_the_best_and_never_measures_a_dominated_value(
     assert not tuner.skipped
 
 
-def _fake_replay(limit, calls: list, miss_seeds=()):
-    """A replay of 10 requests that meets ``SLO`` up to ``limit`` req/s (a number, or a function of the engine)
-    except on ``miss_seeds``: 9 requests within it and one slow one; past it, 8 within. Records each call."""
+def _fake_replay(limit, calls: list):
+    """A replay of 10 requests whose TTFTs are ``rate / limit`` seconds: it meets ``SLO`` up to ``limit`` req/s
+    (a number, or a function of the engine and the seed). Records each call."""
 
     def replay(engine, requests, rate, seed=0):
         calls.append((rate, seed))
-        bound = limit(engine) if callable(limit) else limit
-        within = 9 if rate <= bound and seed not in miss_seeds else 8
-        return RatePoint(rate, [0.5] * within + [2.0] * (10 - within), [0.01] * 10)
+        bound = limit(engine, seed) if callable(limit) else limit
+        return RatePoint(rate, [rate / bound] * 10, [0.01] * 10)
 
     return replay
 
@@ -144,7 +143,7 @@ def test_the_side_by_side_pairs_both_sides_on_each_rounds_pattern(monkeypatch, c
 
     calls: list = []
     # the tuned side (max_num_seqs 8) meets the SLO up to 1.5 req/s, the default up to 1.0
-    limit = lambda engine: 1.5 if engine.options.get("max_num_seqs") == 8 else 1.0  # noqa: E731
+    limit = lambda engine, seed: 1.5 if engine.options.get("max_num_seqs") == 8 else 1.0  # noqa: E731
     monkeypatch.setattr("kvserve.bench.tune_replay.replay", _fake_replay(limit, calls))
     monkeypatch.setattr("engine.LLMEngine", _Engine)
     tuner = tune.Tuner({}, [], SLO, deadline=math.inf)
@@ -160,18 +159,28 @@ def test_the_side_by_side_pairs_both_sides_on_each_rounds_pattern(monkeypatch, c
     assert "each round: 1.50x 1.50x 1.50x" in out and "(median of 3 paired rounds): 1.50x" in out
 
 
-def test_a_candidate_that_beats_the_best_once_but_not_on_other_arrivals_is_not_taken(monkeypatch):
+def test_a_candidate_that_beats_the_best_once_but_not_on_another_pattern_paired_is_not_taken(monkeypatch):
     calls: list = []
-    monkeypatch.setattr("kvserve.bench.tune_replay.replay", _fake_replay(1.6, calls, miss_seeds={tune.CONFIRM_SEED}))
+    # the best (block_size 16) meets the SLO up to 1.0 req/s; the candidate (32) up to 1.6 on the sweep's pattern,
+    # and only up to 0.7 on the confirming one: it was lucky
+    candidate = lambda engine: engine.options.get("block_size") == 32  # noqa: E731
+    lucky_once = lambda engine, seed: (0.7 if seed == tune.CONFIRM_SEED else 1.6) if candidate(engine) else 1.0  # noqa: E731
+    monkeypatch.setattr("kvserve.bench.tune_replay.replay", _fake_replay(lucky_once, calls))
     monkeypatch.setattr("engine.LLMEngine", _Engine)
     tuner = tune.Tuner({}, [], SLO, deadline=math.inf)
     tuner.rates = [0.25, 0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 2.0, 3.0, 4.0, 6.0]
-    best = tune.Trial({}, [RatePoint(1.0)], goodput=1.0)
-    lucky = tuner.measure({"block_size": 32}, floor=4, beat=1.0)
-    assert lucky.goodput == 1.5 and calls[-1] == (1.5, tune.CONFIRM_SEED) and not lucky.confirmed
-    assert not tuner.better(lucky, best)
-    monkeypatch.setattr("kvserve.bench.tune_replay.replay", _fake_replay(1.6, calls))
-    assert tuner.better(tuner.measure({"block_size": 32}, floor=4, beat=1.0), best)
+    best = tune.Trial({"block_size": 16}, [RatePoint(1.0)], goodput=1.0)
+    lucky = tuner.measure({"block_size": 32}, floor=4, beat=best)
+    assert lucky.goodput == 1.5 and not lucky.confirmed and not tuner.better(lucky, best)
+    assert calls[-2:] == [(1.5, tune.CONFIRM_SEED)] * 2  # the candidate, then the best, on the same pattern
+    # a pattern harder for every setting: neither meets the SLO at 1.5 on it, and the candidate is still better
+    harder = lambda engine, seed: (1.6 / 1.2 if candidate(engine) else 1.0 / 2) if seed == tune.CONFIRM_SEED else 1.0  # noqa: E731
+    monkeypatch.setattr("kvserve.bench.tune_replay.replay", _fake_replay(harder, calls))
+    tuner.confirm(_Engine(block_size=32), again := tune.Trial({"block_size": 32}, goodput=1.5), best)
+    assert again.confirmed
+    better = lambda engine, seed: 1.6 if candidate(engine) else 1.0  # noqa: E731
+    monkeypatch.setattr("kvserve.bench.tune_replay.replay", _fake_replay(better, calls))
+    assert tuner.better(tuner.measure({"block_size": 32}, floor=4, beat=best), best)
 
 
 def test_what_the_budget_leaves_is_listed_not_measured(monkeypatch):
