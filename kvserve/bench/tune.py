@@ -57,8 +57,9 @@ KNOBS: list[tuple[str, list[Any]]] = [  # the scheduler's first: they decide the
     ("enable_prefix_caching", [True, False]),
     ("num_speculative_tokens", [0, 2, 4]),
 ]
-# of the default setting's capacity: finer near it, and above it for the settings that raise it
-RATE_FRACTIONS = (0.25, 0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 2.0, 3.0, 4.0, 6.0)
+# of the default setting's capacity: steps of 15-20% up to twice it (a slow hour can put the goodput at a
+# quarter of it), and above it for the settings that raise it
+RATE_FRACTIONS = (0.25, 0.3, 0.35, 0.42, 0.5, 0.6, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0)
 TIE_MARGIN = 0.05  # at equal goodput, the headroom (a fraction of the SLO) a setting must gain to be better
 SWEEP_SEED = 0  # the arrival pattern every setting of the sweep is searched on
 CONFIRM_SEED = 1000  # the confirming replay's arrivals: a pattern of its own
@@ -145,7 +146,7 @@ class Tuner:
                 capacity = replay(engine, self.requests, math.inf).request_throughput
                 self.rates = [round(capacity * f, 4) for f in RATE_FRACTIONS]
             start = min(floor + 1, len(self.rates) - 1) if beat and beat.goodput else RATE_FRACTIONS.index(1.0)
-            self.search(engine, trial, floor, start, SWEEP_SEED)
+            self.search([(engine, trial)], floor, start, SWEEP_SEED)
             if beat is not None and trial.goodput > beat.goodput:
                 self.confirm(engine, trial, beat)
         finally:
@@ -173,23 +174,30 @@ class Tuner:
         trial.points.append(again)
         trial.confirmed = headroom(again, self.slo) > headroom(rival, self.slo) + TIE_MARGIN
 
-    def search(self, engine, trial: Trial, floor: int, start: int, seed: int) -> None:
-        """Bisection on the rungs ``floor..`` of the ladder, first probing ``start``: the highest rung that meets
-        the SLO becomes ``trial.goodput`` (0 when even ``floor`` misses). Every rung replays the arrival pattern
-        of ``seed``, at its own rate."""
+    def search(self, runs: list[tuple[Any, Trial]], floor: int, start: int, seed: int) -> None:
+        """Bisection on the rungs ``floor..`` of the ladder, first probing ``start``, for each (engine, trial) of
+        ``runs``: the highest rung that meets the SLO becomes the trial's goodput (0 when even ``floor`` misses).
+        Every rung replays the arrival pattern of ``seed``, at its own rate. Several runs are searched in
+        lockstep, each probing its next rung in turn, so that their replays lie minutes apart at most: this
+        machine's speed drifts over minutes, and a side searched after the other would inherit the drift."""
         from kvserve.bench.tune_replay import replay
 
-        met, missed, rung = floor - 1, len(self.rates), start
-        trial.floor = self.rates[floor]
-        while missed - met > 1:
-            point = replay(engine, self.requests, self.rates[rung], seed=seed)
-            trial.points.append(point)
-            if point.meets(self.slo):
-                met = rung
-            else:
-                missed = rung
-            rung = (met + missed) // 2
-        trial.goodput = self.rates[met] if met >= floor else 0.0
+        bounds = {id(trial): [floor - 1, len(self.rates), start] for _, trial in runs}  # met, missed, next rung
+        for _, trial in runs:
+            trial.floor = self.rates[floor]
+        while any(missed - met > 1 for met, missed, _ in bounds.values()):
+            for engine, trial in runs:
+                state = bounds[id(trial)]
+                met, missed, rung = state
+                if missed - met <= 1:
+                    continue
+                point = replay(engine, self.requests, self.rates[rung], seed=seed)
+                trial.points.append(point)
+                state[0 if point.meets(self.slo) else 1] = rung
+                state[2] = (state[0] + state[1]) // 2
+        for _, trial in runs:
+            met = bounds[id(trial)][0]
+            trial.goodput = self.rates[met] if met >= floor else 0.0
 
     def better(self, trial: Trial, than: Trial) -> bool:
         """More goodput, confirmed; at equal goodput, more headroom inside the SLO by over ``TIE_MARGIN``."""

@@ -121,9 +121,10 @@ def write_config(path: Path, options: dict[str, Any], cluster: dict[str, int] | 
 
 def compare(tuner, default: dict[str, Any], chosen: dict[str, Any], repeats: int = 3) -> dict[str, list[float]]:
     """The default's and the chosen setting's goodput again, paired: ``repeats`` rounds on engines built once, in
-    each of which both sides are searched on one arrival pattern of the round's own, the side that goes first
-    swapping every round. Prints each round's goodputs and ratio, the medians, and the median of the rounds'
-    ratios (the pairing takes the pattern's luck out of each ratio)."""
+    each of which both sides are searched in lockstep (``Tuner.search``: their replays alternate) on one arrival
+    pattern of the round's own, the side that goes first swapping every round. Prints each round's goodputs and
+    ratio, the medians, and the median of the rounds' ratios (the pairing takes the pattern's luck out of each
+    ratio, the lockstep most of the machine's drift)."""
     import statistics
 
     from engine import LLMEngine
@@ -137,9 +138,10 @@ def compare(tuner, default: dict[str, Any], chosen: dict[str, Any], repeats: int
         for engine in engines.values():
             replay(engine, tuner.requests[:4], math.inf)  # warm-up
         for repeat in range(repeats):
-            for side in ("default", "tuned") if repeat % 2 == 0 else ("tuned", "default"):
-                trial = Trial(sides[side])
-                tuner.search(engines[side], trial, 0, RATE_FRACTIONS.index(1.0), seed=100 * (repeat + 1))
+            order = ("default", "tuned") if repeat % 2 == 0 else ("tuned", "default")
+            runs = [(engines[side], Trial(sides[side])) for side in order]
+            tuner.search(runs, 0, RATE_FRACTIONS.index(1.0), seed=100 * (repeat + 1))  # in lockstep
+            for side, (_, trial) in zip(order, runs, strict=True):
                 trials[side].append(trial)
     finally:
         for engine in engines.values():

@@ -64,12 +64,14 @@ def test_coordinate_descent_keeps_the_best_and_never_measures_a_dominated_value(
     assert not tuner.skipped
 
 
-def _fake_replay(limit, calls: list):
+def _fake_replay(limit, calls: list, engines: list | None = None):
     """A replay of 10 requests whose TTFTs are ``rate / limit`` seconds: it meets ``SLO`` up to ``limit`` req/s
-    (a number, or a function of the engine and the seed). Records each call."""
+    (a number, or a function of the engine and the seed). Records each call, and its engine in ``engines``."""
 
     def replay(engine, requests, rate, seed=0):
         calls.append((rate, seed))
+        if engines is not None:
+            engines.append(engine)
         bound = limit(engine, seed) if callable(limit) else limit
         return RatePoint(rate, [rate / bound] * 10, [0.01] * 10)
 
@@ -117,16 +119,16 @@ def test_the_goodput_is_found_by_bisection_on_one_arrival_pattern(monkeypatch):
     tuner = tune.Tuner({}, [], SLO, deadline=math.inf)
     tuner.rates = [0.25, 0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 2.0, 3.0, 4.0, 6.0]
     trial = tune.Trial({})
-    tuner.search(None, trial, floor=0, start=4, seed=7)
+    tuner.search([(None, trial)], floor=0, start=4, seed=7)
     assert trial.goodput == 3.0
     assert calls == [(1.0, 7), (2.0, 7), (4.0, 7), (3.0, 7)]  # 4 replays for 12 rungs; none below 1.0
     calls.clear()
     low = tune.Trial({})
     monkeypatch.setattr("kvserve.bench.tune_replay.replay", _fake_replay(0.6, calls))
-    tuner.search(None, low, floor=0, start=4, seed=0)
+    tuner.search([(None, low)], floor=0, start=4, seed=0)
     assert low.goodput == 0.5 and [rate for rate, _ in calls] == [1.0, 0.5, 0.7]
     calls.clear()
-    tuner.search(None, floored := tune.Trial({}), floor=5, start=6, seed=0)  # against a best of 1.0 req/s
+    tuner.search([(None, floored := tune.Trial({}))], floor=5, start=6, seed=0)  # against a best of 1.0 req/s
     assert floored.goodput == 0.0 and floored.floor == 1.15 and [rate for rate, _ in calls] == [1.3, 1.15]
 
 
@@ -138,23 +140,26 @@ class _Engine:
         pass
 
 
-def test_the_side_by_side_pairs_both_sides_on_each_rounds_pattern(monkeypatch, capsys):
+def test_the_side_by_side_pairs_both_sides_on_each_rounds_pattern_in_lockstep(monkeypatch, capsys):
     from kvserve.bench.tune_output import compare
 
-    calls: list = []
+    calls, engines = [], []
     # the tuned side (max_num_seqs 8) meets the SLO up to 1.5 req/s, the default up to 1.0
     limit = lambda engine, seed: 1.5 if engine.options.get("max_num_seqs") == 8 else 1.0  # noqa: E731
-    monkeypatch.setattr("kvserve.bench.tune_replay.replay", _fake_replay(limit, calls))
+    monkeypatch.setattr("kvserve.bench.tune_replay.replay", _fake_replay(limit, calls, engines))
     monkeypatch.setattr("engine.LLMEngine", _Engine)
     tuner = tune.Tuner({}, [], SLO, deadline=math.inf)
-    tuner.rates = [0.25, 0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 2.0, 3.0, 4.0, 6.0]
+    tuner.rates = list(tune.RATE_FRACTIONS)  # a capacity of 1 req/s
     goodputs = compare(tuner, {"max_num_seqs": 256}, {"max_num_seqs": 8}, repeats=3)
     assert goodputs == {"default": [1.0] * 3, "tuned": [1.5] * 3}
     searched = [seed for rate, seed in calls if rate != math.inf]  # the warm-ups are at inf
     rounds = sorted(set(searched))
     assert len(rounds) == 3  # a pattern per round, each searched by both sides
     for seed in rounds:
-        assert searched.count(seed) == 8  # 4 bisection probes per side
+        assert searched.count(seed) == 9  # bisection probes: 4 for the default, 5 for the tuned side
+    probes = zip(calls, engines, strict=True)
+    sides = [engine.options["max_num_seqs"] for (rate, _), engine in probes if rate != math.inf]
+    assert sides[:9] == [256, 8] * 4 + [8] and sides[9:18] == [8, 256] * 4 + [8]  # alternating; the first swaps
     out = capsys.readouterr().out
     assert "each round: 1.50x 1.50x 1.50x" in out and "(median of 3 paired rounds): 1.50x" in out
 
