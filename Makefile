@@ -56,8 +56,9 @@ ISA_MODULES := tests/engine/test_handoff.py tests/engine/test_prefix_cache.py te
 	tests/unit/test_sampler.py
 test-isa: $(STAMP)
 	$(PY) -m pytest -q -m 'not soak' $(ISA_MODULES)
-	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 MKL_CBWR=AVX2 $(PY) -m pytest -q -m 'not soak' $(ISA_MODULES)
-	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 MKL_CBWR=COMPATIBLE \
+	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 MKL_CBWR=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+		$(PY) -m pytest -q -m 'not soak' $(ISA_MODULES)
+	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=SSE41 \
 		$(PY) -m pytest -q -m 'not soak' $(ISA_MODULES)
 
 # The docker-compose stack for real (builds the image, imports every service in it, starts it, sends ~400-token
