@@ -101,6 +101,12 @@ class EngineConfig(ModelSettings):
         False,
         description="run every step eagerly on its unpadded batch: no decode CUDA graphs, no padded decode path",
     )
+    compile_decode: bool | None = Field(
+        None,
+        description="on the CPU, run the layers of a one-sequence decode step through torch.compile (compiled at "
+        "start, about 10 s, cached on disk); not for models with experts or sliding windows; unset: off in the "
+        "engine, and on for the decode workers kvserve up starts on a CPU host",
+    )
     host_kv_cache_gb: float | None = Field(
         None,
         ge=0,

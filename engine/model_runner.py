@@ -5,7 +5,8 @@ Per step the host writes the batch's inputs with NumPy into a pinned buffer and 
 A decode-only batch is padded to a bucket size and runs over fixed input addresses: on CUDA by replaying
 that bucket's captured graph (``engine.cuda_graph``), elsewhere eagerly, so the CPU suite runs the same
 path. Prefill and mixed steps and decode batches past the largest bucket run eagerly on a tightly packed
-batch; ``enforce_eager`` runs every step that way.
+batch; ``enforce_eager`` runs every step that way. On the CPU, ``compile_decode`` runs a one-sequence decode
+step's layers compiled (``engine.models.model.CompiledDecode``), padded or not.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class ModelRunner:
             self.kv_cache, self.kv_pool_path = create_shared_pool(self.kv_spec, num_blocks, config.shared_kv_name)
         else:
             self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
+        if config.compile_decode and self.device.type == "cpu":  # (on a GPU the decode CUDA graphs do this work)
+            self.model.compile_decode(self.kv_cache.layers)
         self.sampler = Sampler(model_config.vocab_size, self.device, config.seed, eos_token_ids)
         self.scores = scores
         # times the device's parts of each step: the forward with its logits, the sampler (``engine.step_diagnosis``)

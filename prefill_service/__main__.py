@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     worker_id, security, registry = prepare_worker(settings, "prefill")
     # A prefill worker's requests end after their first token: it never runs a decode step, so capturing
     # decode CUDA graphs would only cost start-up time and GPU memory.
-    engine = LLMEngine(settings.engine_config(enforce_eager=True))
+    engine = LLMEngine(settings.engine_config(enforce_eager=True, compile_decode=False))
     worker = PrefillWorker(engine, worker_id, settings.address, security, settings.max_batch_tokens,
                            settings.max_wait_ms, registry, ComputeLease(settings.compute_lease, "prefill"))  # fmt: skip
     if registry is not None and (ended := registry.end_leases_of(worker_id)):

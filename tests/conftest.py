@@ -14,6 +14,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # tests start processes too: see kvserve/launcher
+# kvserve up compiles its CPU decode workers' one-user steps (``compile_decode``): test clusters start eagerly, as
+# their tokens are checked against the eager paths; tests/service/test_compiled_decode.py checks the compiled one
+os.environ.setdefault("KVSERVE_COMPILE_DECODE", "false")
 
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -62,6 +62,8 @@ def paged_attention(
     q ``(tokens, q_heads, head_dim)``, k and v ``(tokens, kv_heads, head_dim)``. With ``q_sink`` (the queries
     rotated at their positions inside their caches) the layer attends over ``meta.ring``'s windows.
     """
+    if torch.compiler.is_compiling():  # a compiled one-sequence decode step (``engine.models.model.CompiledDecode``)
+        return compiled_decode_attention(q, k, v, kv, meta, scale)
     scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale}
     kvkernels.store_kvcache(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, **scales)
     nd = meta.num_decodes
@@ -83,3 +85,31 @@ def paged_attention(
         max_q_len=meta.max_q_len, **scales, **windows[1],
     )  # fmt: skip
     return out
+
+
+def compiled_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """``paged_attention`` of a decode-only batch of float KV without windows, written for inductor: no value is
+    read back to the host, so one graph serves every length. Each new token's K/V go to its slot (every slot
+    valid: no padding rows), then each query scores the first ``seq_lens`` tokens held in its row of
+    ``block_tables``: every column of the table, which the caller trims to the longest sequence's blocks.
+    Inductor fuses the slot lookup into the products and the softmax, so the pool is read in place; the
+    references gather the blocks first (``kvkernels.reference.paged_decode_attention``)."""
+    num_blocks, block_size, num_kv_heads, head_dim = kv.k_cache.shape
+    keys = kv.k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    values = kv.v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    keys.index_copy_(0, meta.slot_mapping, k.to(keys.dtype))
+    values.index_copy_(0, meta.slot_mapping, v.to(values.dtype))
+    num_seqs, num_q_heads, _ = q.shape
+    group = num_q_heads // num_kv_heads
+    token = torch.arange(meta.block_tables.shape[1] * block_size, device=q.device)  # (tokens,)
+    held = token[None, :] < meta.seq_lens[:, None].long()  # (seqs, tokens)
+    # table entries past a sequence's blocks may hold anything: they read slot 0, and are masked
+    slots = torch.where(held, meta.block_tables.long()[:, token // block_size] * block_size + token % block_size, 0)
+    k_seq, v_seq = keys[slots].float(), values[slots].float()  # (seqs, tokens, kv_heads, dim)
+    # query head h reads KV head h // group, as everywhere (``enable_gqa``)
+    scores = (q.float().view(num_seqs, 1, num_kv_heads, group, head_dim) * k_seq[:, :, :, None]).sum(-1) * scale
+    probs = torch.softmax(torch.where(held[:, :, None, None], scores, float("-inf")), dim=1)  # (seqs, tokens, kv, g)
+    out = (probs[..., None] * v_seq[:, :, :, None]).sum(1)  # (seqs, kv_heads, group, dim)
+    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)

@@ -7,7 +7,10 @@ one thread and on two (8.6 GB/s), where two threads read memory at about 32 GB/s
 ``bmm`` over ``k`` blocks of the weight's rows runs the blocks on the threads (6.2 ms, 18 GB/s): each output
 element is the same dot product over the same inputs, computed by the same kernel on each block.
 
-Used where the rows are few (``SPLIT_MAX_ROWS``: a decode step's), on the CPU, with more than one thread.
+Used where the rows are few (``SPLIT_MAX_ROWS``: a decode step's), on the CPU, with more than one thread. Inside
+a compiled one-sequence decode step (``engine.models.model.CompiledDecode``) inductor turns the same one-row
+``bmm`` into a reduction of its own, parallel over the blocks, with no call into the BLAS; the thread count is
+then the one fixed at compile time (``compile_threads``), since reading it would break the graph.
 
 Many rows (a prefill's) on the CPU go to oneDNN's matrix product (``torch.ops.mkldnn._linear_pointwise``, the one
 inductor emits for a CPU linear layer) rather than MKL's, which ``F.linear`` calls: on the bundled model's
@@ -22,6 +25,7 @@ from torch import nn
 
 SPLIT_MAX_ROWS = 64  # up to here split products were faster (1.15-1.7x on a 2-core host); not a prefill's
 BLOCKS_PER_THREAD = 4  # blocks of the weight's rows per thread: balances uneven cores
+compile_threads = 1  # the threads a compiled decode step splits for (set by ``CompiledDecode`` before it compiles)
 
 
 class Linear(nn.Linear):
@@ -42,7 +46,7 @@ def onednn_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def split_blocks(x: torch.Tensor, weight: torch.Tensor) -> int:
     """How many row blocks of ``weight`` to multiply ``x`` by at once (1: plain ``F.linear``)."""
-    threads = torch.get_num_threads()
+    threads = compile_threads if torch.compiler.is_compiling() else torch.get_num_threads()
     if x.device.type != "cpu" or threads < 2 or x.dim() != 2 or x.shape[0] > SPLIT_MAX_ROWS:
         return 1
     blocks = threads * BLOCKS_PER_THREAD

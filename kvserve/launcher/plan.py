@@ -9,13 +9,15 @@ cores and the same ``--compute-lease``, held around every engine step (``rpc.com
 nothing to run holds no core and two busy workers never oversubscribe them. With ``--threads`` given, or on a
 GPU host, each gets ``--threads`` (by default its share of the cores) and no lease. Each also gets
 ``--gpu-memory-utilization``, their share of the GPU's total memory, since every worker runs on the same GPU
-(``gpu_memory_shares``; ignored on the CPU). What the options of ``UpSettings`` become for each child is
+(``gpu_memory_shares``; ignored on the CPU). On a CPU host decode workers get ``--compile-decode true`` unless
+``kvserve up`` was given ``--compile-decode``: one user's decode steps run compiled (``engine.models.model``).
+What the options of ``UpSettings`` become for each child is
 ``kvserve.settings``'s docstring.
 
 With ``--config FILE`` every child gets the file too (``engine.config_file``), and the plan reads each child's
 command line as that child will, file included: a key of any section its process does not know, or a value
 it refuses, ends ``kvserve up`` before anything starts. So does a key that sets what the launcher sets on a
-child's command line itself (``planned``: its host, ports, worker id, threads, drain timeout and GPU share),
+child's command line itself (``planned``: its host, ports, worker id, threads, drain timeout, GPU share and, where set, compiled decode),
 which the flag would silently override.
 """
 
@@ -110,6 +112,8 @@ def plan_cluster(up: UpSettings, extra: ExtraArgv | None = None, host: str = "12
             planned = {"host": host, "port": port, "worker_id": name, "metrics_port": port + METRICS_PORTS,
                        "threads": threads, "compute_lease": compute_lease, "drain_timeout": up.drain_timeout,
                        "gpu_memory_utilization": shares[role]}  # fmt: skip
+            if role == "decode" and up.compile_decode is None and on_cpu_host(up):
+                planned["compile_decode"] = True  # one user's decode steps compiled (engine.models.model)
             argv = (sys.executable, "-m", f"{role}_service", *argv_of(planned), *worker_argv, *role_argv)
             children.append(ChildPlan(name, role, port, argv, port + METRICS_PORTS, tuple(planned)))
     planned = {"host": host, "port": up.port, "http_port": up.http_port, "drain_timeout": up.drain_timeout}
@@ -144,13 +148,17 @@ def compute_shares(up: UpSettings) -> tuple[int, str | None]:
     """(``--threads``, ``--compute-lease``) of each compute worker: on a CPU host with two or more workers and no
     ``--threads``, all the cores and a lease file of this cluster's (its router port names it); else
     ``threads_per_worker`` and no lease."""
-    import torch
-
-    on_cpu = up.device == "cpu" or (up.device == "auto" and not torch.cuda.is_available())
-    if up.threads is None and on_cpu and up.prefill + up.decode >= 2:
+    if up.threads is None and on_cpu_host(up) and up.prefill + up.decode >= 2:
         runtime = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         return host_cores(), str(runtime / f"kvserve-{os.getuid()}-{up.port}-compute")
     return threads_per_worker(up.prefill + up.decode, up.threads), None
+
+
+def on_cpu_host(up: UpSettings) -> bool:
+    """Whether the workers compute on the CPU: ``--device cpu``, or ``auto`` on a host without CUDA."""
+    import torch
+
+    return up.device == "cpu" or (up.device == "auto" and not torch.cuda.is_available())
 
 
 def threads_per_worker(num_compute_workers: int, threads: int | None = None) -> int:

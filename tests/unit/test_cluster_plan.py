@@ -91,6 +91,15 @@ def test_threads_given_or_a_single_worker_split_the_cores_without_a_lease():
         assert all(_flag(c.argv, "--threads") == [str(threads)] and "--compute-lease" not in c.argv for c in workers)
 
 
+def test_decode_workers_of_a_cpu_host_compile_one_users_decode_unless_told(monkeypatch):
+    monkeypatch.delenv("KVSERVE_COMPILE_DECODE", raising=False)  # (tests/conftest.py sets it off for test clusters)
+    for argv, decode, prefill in ((["--device", "cpu"], ["true"], []), (["--device", "cpu", "--compile-decode",
+                                  "false"], ["false"], ["false"]), (["--device", "cuda"], [], [])):  # fmt: skip
+        plan = plan_cluster(parse_up(argv))
+        roles = {c.role: _flag(c.argv, "--compile-decode") for c in plan.children}
+        assert (roles["decode"], roles["prefill"], roles["router"]) == (decode, prefill, []), argv
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--redis-tcp", "true", "--redis-url", "redis://127.0.0.1:1"], "--redis-tcp is for the embedded Redis"),
     (["--prefill-gpu-memory-utilization", "0.6", "--decode-gpu-memory-utilization", "0.5"], "add up to more than"),
