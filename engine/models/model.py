@@ -39,8 +39,8 @@ from torch import nn
 
 import kvkernels
 from engine.model_config import ModelConfig
-from engine.models.attention import AttentionMetadata, paged_attention
 from engine.models import linear
+from engine.models.attention import AttentionMetadata, paged_attention
 from engine.models.linear import Linear
 from engine.models.moe import SparseMoE
 from engine.models.rotary import rotary_embeddings

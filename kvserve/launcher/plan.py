@@ -17,8 +17,8 @@ What the options of ``UpSettings`` become for each child is
 With ``--config FILE`` every child gets the file too (``engine.config_file``), and the plan reads each child's
 command line as that child will, file included: a key of any section its process does not know, or a value
 it refuses, ends ``kvserve up`` before anything starts. So does a key that sets what the launcher sets on a
-child's command line itself (``planned``: its host, ports, worker id, threads, drain timeout, GPU share and, where set, compiled decode),
-which the flag would silently override.
+child's command line itself (``planned``: its host, ports, worker id, threads, drain timeout, GPU share and,
+where set, compiled decode), which the flag would silently override.
 """
 
 from __future__ import annotations

@@ -26,8 +26,10 @@ def _case(lengths: list[int], seed: int):
         order = order[blocks:]
     slots = torch.tensor([int(tables[i, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
                           for i, n in enumerate(lengths)])  # fmt: skip
-    meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=torch.tensor(lengths, dtype=torch.int32),
-                             cu_seqlens_q=torch.arange(len(lengths) + 1, dtype=torch.int32), num_decodes=len(lengths))  # fmt: skip
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=tables,
+                             seq_lens=torch.tensor(lengths, dtype=torch.int32),
+                             cu_seqlens_q=torch.arange(len(lengths) + 1, dtype=torch.int32),
+                             num_decodes=len(lengths))  # fmt: skip
     q = torch.randn(len(lengths), Q_HEADS, HEAD_DIM, generator=g)
     k = torch.randn(len(lengths), KV_HEADS, HEAD_DIM, generator=g)
     v = torch.randn(len(lengths), KV_HEADS, HEAD_DIM, generator=g)

@@ -7,10 +7,10 @@ sequences never compile again (a recompile would stall a request for seconds).""
 
 from __future__ import annotations
 
+from engine_testing import BLOCK_SIZE, greedy
 from torch._dynamo.utils import counters
 
 from engine import LLMEngine
-from engine_testing import BLOCK_SIZE, greedy
 
 
 def _run_alone(engine: LLMEngine, prompt: list[int]) -> list[int]:
