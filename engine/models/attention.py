@@ -96,18 +96,19 @@ def compiled_decode_attention(
     ``block_tables``: every column of the table, which the caller trims to the longest sequence's blocks.
     Inductor fuses the slot lookup into the products and the softmax, so the pool is read in place; the
     references gather the blocks first (``kvkernels.reference.paged_decode_attention``)."""
-    num_blocks, block_size, num_kv_heads, head_dim = kv.k_cache.shape
-    keys = kv.k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    values = kv.v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    keys.index_copy_(0, meta.slot_mapping, k.to(keys.dtype))
-    values.index_copy_(0, meta.slot_mapping, v.to(values.dtype))
+    block_size, num_kv_heads, head_dim = kv.k_cache.shape[1:]
+    # index_put_ on the pool itself, which inductor writes in place; on a view of it, it copied the whole pool
+    new_block, new_offset = meta.slot_mapping // block_size, meta.slot_mapping % block_size
+    kv.k_cache.index_put_((new_block, new_offset), k.to(kv.k_cache.dtype))
+    kv.v_cache.index_put_((new_block, new_offset), v.to(kv.v_cache.dtype))
     num_seqs, num_q_heads, _ = q.shape
     group = num_q_heads // num_kv_heads
     token = torch.arange(meta.block_tables.shape[1] * block_size, device=q.device)  # (tokens,)
     held = token[None, :] < meta.seq_lens[:, None].long()  # (seqs, tokens)
-    # table entries past a sequence's blocks may hold anything: they read slot 0, and are masked
-    slots = torch.where(held, meta.block_tables.long()[:, token // block_size] * block_size + token % block_size, 0)
-    k_seq, v_seq = keys[slots].float(), values[slots].float()  # (seqs, tokens, kv_heads, dim)
+    # table entries past a sequence's blocks may hold anything: they read block 0, and are masked
+    blocks = torch.where(held, meta.block_tables.long()[:, token // block_size], 0)  # (seqs, tokens)
+    offsets = (token % block_size)[None, :]
+    k_seq, v_seq = kv.k_cache[blocks, offsets].float(), kv.v_cache[blocks, offsets].float()  # (seqs, tokens, kv, dim)
     # query head h reads KV head h // group, as everywhere (``enable_gqa``)
     scores = (q.float().view(num_seqs, 1, num_kv_heads, group, head_dim) * k_seq[:, :, :, None]).sum(-1) * scale
     probs = torch.softmax(torch.where(held[:, :, None, None], scores, float("-inf")), dim=1)  # (seqs, tokens, kv, g)
