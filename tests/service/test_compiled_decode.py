@@ -7,10 +7,18 @@ sequences never compile again (a recompile would stall a request for seconds).""
 
 from __future__ import annotations
 
+import pytest
 from engine_testing import BLOCK_SIZE, greedy
 from torch._dynamo.utils import counters
 
 from engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    """One engine for the module: compiling takes 10-40 s."""
+    return LLMEngine(model="default", device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_blocks=256,
+                     max_num_seqs=8, compile_decode=True)  # fmt: skip
 
 
 def _run_alone(engine: LLMEngine, prompt: list[int]) -> list[int]:
@@ -21,28 +29,29 @@ def _run_alone(engine: LLMEngine, prompt: list[int]) -> list[int]:
     return tokens
 
 
-def test_one_sequence_decodes_compiled_and_gives_transformers_tokens(engine_prompts, hf_greedy):
-    engine = LLMEngine(model="default", device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_blocks=128,
-                       max_num_seqs=8, compile_decode=True)  # fmt: skip
+def test_one_sequence_decodes_compiled_and_gives_transformers_tokens(engine, engine_prompts, hf_greedy):
     compiled = engine.runner.model.compiled
     assert compiled is not None and compiled.compile_s > 0
     frames = counters["stats"]["unique_graphs"]
     calls = []
     real_layer = compiled.layer
     compiled.layer = lambda *args: calls.append(1) or real_layer(*args)
-    for prompt, want in zip(engine_prompts, hf_greedy, strict=True):
-        assert _run_alone(engine, prompt) == want, f"prompt of {len(prompt)} tokens"
+    try:
+        for prompt, want in zip(engine_prompts, hf_greedy, strict=True):
+            assert _run_alone(engine, prompt) == want, f"prompt of {len(prompt)} tokens"
+    finally:
+        compiled.layer = real_layer
     layers = engine.model_config.num_layers
     decode_steps = sum(len(w) - 1 for w in hf_greedy)  # (each first token comes from the prefill)
     assert len(calls) == decode_steps * layers  # every decode step ran compiled
     assert counters["stats"]["unique_graphs"] == frames, "a decode step compiled again after the start"
 
 
-def test_a_batch_of_several_decodes_eagerly_with_the_same_tokens(engine_prompts, hf_greedy):
-    engine = LLMEngine(model="default", device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_blocks=256,
-                       max_num_seqs=8, compile_decode=True)  # fmt: skip
-    compiled = engine.runner.model.compiled
-    compiled.layer = lambda *args: (_ for _ in ()).throw(AssertionError("a batch of 8 ran compiled"))
+def test_a_batch_of_several_decodes_eagerly_with_the_same_tokens(engine, engine_prompts, hf_greedy, monkeypatch):
+    def refuse(*args):
+        raise AssertionError("a batch of 4 ran compiled")
+
+    monkeypatch.setattr(engine.runner.model.compiled, "layer", refuse)
     ids = [engine.add_request(p, greedy()) for p in engine_prompts[:4]]
     done = {}
     while engine.has_unfinished_requests():
