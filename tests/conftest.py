@@ -72,6 +72,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return ByGroup(config, log)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """matplotlib builds its font cache on its first import, with ``fc-list``: built here, before any test runs, so
+    that a unit or engine test that plots (``kvserve bench ... --plot``) starts no process on a fresh machine."""
+    import matplotlib.font_manager  # noqa: F401
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """A unit or engine test starts no process: not in its body, nor in a fixture it sets up (a Redis server, a
