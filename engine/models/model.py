@@ -201,10 +201,12 @@ class CausalLM(nn.Module):
         rotations = {kind: self._rotation(rope, positions, meta) for kind, rope in self.ropes.items()}
         residual = None
         compiled = self.compiled.meta_for(meta, kv_layers[0]) if self.compiled is not None else None
+        if compiled is not None:  # the tables once per step, not per layer
+            rotations = {kind: (_dense(cos_sin), sink) for kind, (cos_sin, sink) in rotations.items()}
         for layer, kv in zip(self.model.layers, kv_layers, strict=True):
             cos_sin, sink_cos_sin = rotations[layer.rope]
             if compiled is not None:
-                x, residual = self.compiled.layer(layer, _dense(x), _dense(residual), _dense(cos_sin), kv, compiled)
+                x, residual = self.compiled.layer(layer, _dense(x), _dense(residual), cos_sin, kv, compiled)
             else:
                 x, residual = layer(x, residual, cos_sin, kv, meta, sink_cos_sin)
         hidden, _ = self.model.norm(x, residual)
@@ -222,7 +224,7 @@ class CausalLM(nn.Module):
 
     def compile_decode(self, kv_layers: list[LayerKV]) -> None:
         """From now on run the layers of a one-sequence decode step compiled (``CompiledDecode``); compiles now."""
-        self.compiled = CompiledDecode(self, kv_layers)
+        CompiledDecode(self, kv_layers)  # (it sets ``self.compiled`` before its warm-up steps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()  # (rows, vocab)
@@ -260,6 +262,7 @@ class CompiledDecode:
         self.layer = torch.compile(_layer_step, fullgraph=True, dynamic=True)
         began = time.perf_counter()
         block_size = kv_layers[0].k_cache.shape[1]
+        model.compiled = self
         with torch.inference_mode():  # as every step's: dynamo guards on a tensor's being an inference tensor
             for num_blocks in (1, 2):
                 length = num_blocks * block_size
@@ -271,7 +274,6 @@ class CompiledDecode:
                     num_decodes=1,
                     max_q_len=1,
                 )
-                model.compiled = self
                 model(torch.zeros(1, dtype=torch.int64), torch.tensor([length - 1]), kv_layers, meta)
         self.compile_s = time.perf_counter() - began
         log.info("compiled the one-sequence decode step in %.1f s", self.compile_s)
@@ -295,6 +297,10 @@ class CompiledDecode:
 
 def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` with a new tensor's strides (``contiguous()`` keeps any stride of a dimension of size 1)."""
-    if t is None or t.stride() == torch.empty(t.shape, device="meta").stride():
+    if t is None:
         return t
-    return t.clone(memory_format=torch.contiguous_format)
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= size
+    return t if t.stride() == tuple(reversed(strides)) else t.clone(memory_format=torch.contiguous_format)
