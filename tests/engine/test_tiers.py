@@ -15,6 +15,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.tier_connector import TierConnector, auto_host_bytes
 from kvstore import BlockManager, KVCache, KVCacheSpec
+from kvstore import host_tier
 from kvstore.host_tier import BlockCopier, HostTier
 from kvstore.prefix_hash import block_hashes
 
@@ -42,6 +43,35 @@ def test_the_copier_moves_every_byte_of_the_blocks_asked_and_nothing_else(kv_cac
             assert torch.equal(b[0].view(torch.uint8), a[1].view(torch.uint8))
             assert torch.equal(b[5].view(torch.uint8), a[4].view(torch.uint8))
             assert not b[1:5].view(torch.uint8).any() and (mid[:2].view(torch.uint8) == 0xAB).all()  # untouched
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_staging_path_for_scattered_slots_moves_the_same_bytes(kv_cache_dtype):
+    """The GPU's path for slots in many runs (one staging buffer per call, the scatter into the slots on the
+    host), run on the CPU: every region's rows land where the per-block reads of the pool say."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=3, head_dim=6, block_size=3, dtype=torch.float16,
+                       kv_cache_dtype=kv_cache_dtype)  # fmt: skip (odd widths: the staging views' alignment)
+    src, dst = KVCache(spec, 12, "cpu"), KVCache(spec, 12, "cpu")
+    src.buffer.copy_(torch.randint(0, 256, (src.nbytes,), dtype=torch.uint8))
+    host = HostTier(spec, 10)
+    host.cache.buffer.fill_(0xAB)
+    copier = BlockCopier(torch.device("cpu"))
+    blocks, slots = [7, 2, 11, 0, 5], [9, 1, 6, 3, 0]
+    assert len(host_tier._runs(slots)) > host_tier._DIRECT_MAX_RUNS
+    copier._staged_to_host(src.layers, blocks, host.views, slots)
+    back = [4, 10, 1, 8, 6]
+    copier._staged_to_device(host.views, slots, dst.layers, back)
+    for s, d, h in zip(src.layers, dst.layers, host.views, strict=True):
+        for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
+            a, b, mid = getattr(s, name), getattr(d, name), getattr(h, name)
+            if a is None:
+                continue
+            for block, slot, again in zip(blocks, slots, back, strict=True):
+                assert torch.equal(mid[slot].view(torch.uint8), a[block].view(torch.uint8))
+                assert torch.equal(b[again].view(torch.uint8), a[block].view(torch.uint8))
+            untouched = [i for i in range(10) if i not in slots]
+            assert (mid[untouched].view(torch.uint8) == 0xAB).all()
+            assert not b[[i for i in range(12) if i not in back]].view(torch.uint8).any()
 
 
 def test_the_host_tier_evicts_least_recently_used_unpinned_entries_and_reports_net_changes():
@@ -236,7 +266,8 @@ def test_the_host_tier_is_on_by_default_at_twice_the_pool_within_the_hosts_memor
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_blocks_cross_the_copy_stream_byte_exact_behind_the_compute_stream():
+@pytest.mark.parametrize("slots", [[0, 1, 2, 9, 10], [20, 3, 17, 11, 29]], ids=["two-runs", "scattered"])
+def test_on_a_gpu_blocks_cross_the_copy_stream_byte_exact_behind_the_compute_stream(slots):
     spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16,
                        kv_cache_dtype="int8_v")  # fmt: skip
     cuda = torch.device("cuda")
@@ -245,7 +276,7 @@ def test_on_a_gpu_blocks_cross_the_copy_stream_byte_exact_behind_the_compute_str
     assert host.cache.buffer.is_pinned()
     pool.buffer.copy_(torch.randint(0, 256, (pool.nbytes,), dtype=torch.uint8, device=cuda))
     expected = pool.buffer.clone()
-    blocks, slots = [5, 60, 7, 8, 33], [0, 1, 2, 9, 10]  # two runs of slots
+    blocks = [5, 60, 7, 8, 33]  # into two runs of slots (a copy per run), or five (through the staging buffer)
     copier.to_host(pool.layers, blocks, host.views, slots)
     copier.wait_for_copies()  # what the engine does before a step writes the pool
     pool.buffer.zero_()  # on the compute stream: ordered after the copy, which must not see it
