@@ -137,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from engine import LLM, SamplingParams
-
     from engine.bundled import resolve_model
     from engine.tokenizer import has_tokenizer
 

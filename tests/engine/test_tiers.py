@@ -14,8 +14,7 @@ from engine import LLM, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.tier_connector import TierConnector, auto_host_bytes
-from kvstore import BlockManager, KVCache, KVCacheSpec
-from kvstore import host_tier
+from kvstore import BlockManager, KVCache, KVCacheSpec, host_tier
 from kvstore.host_tier import BlockCopier, HostTier
 from kvstore.prefix_hash import block_hashes
 
