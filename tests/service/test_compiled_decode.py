@@ -33,17 +33,19 @@ def test_one_sequence_decodes_compiled_and_gives_transformers_tokens(engine, eng
     compiled = engine.runner.model.compiled
     assert compiled is not None and compiled.compile_s > 0
     frames = counters["stats"]["unique_graphs"]
-    calls = []
-    real_layer = compiled.layer
+    calls, heads = [], []
+    real_layer, real_logits = compiled.layer, compiled.logits
     compiled.layer = lambda *args: calls.append(1) or real_layer(*args)
+    compiled.logits = lambda *args: heads.append(1) or real_logits(*args)
     try:
         for prompt, want in zip(engine_prompts, hf_greedy, strict=True):
             assert _run_alone(engine, prompt) == want, f"prompt of {len(prompt)} tokens"
     finally:
-        compiled.layer = real_layer
+        compiled.layer, compiled.logits = real_layer, real_logits
     layers = engine.model_config.num_layers
     decode_steps = sum(len(w) - 1 for w in hf_greedy)  # (each first token comes from the prefill)
     assert len(calls) == decode_steps * layers  # every decode step ran compiled
+    assert len(heads) == sum(len(w) for w in hf_greedy)  # every token's logits too, the prefill's first included
     assert counters["stats"]["unique_graphs"] == frames, "a decode step compiled again after the start"
 
 
@@ -52,6 +54,7 @@ def test_a_batch_of_several_decodes_eagerly_with_the_same_tokens(engine, engine_
         raise AssertionError("a batch of 4 ran compiled")
 
     monkeypatch.setattr(engine.runner.model.compiled, "layer", refuse)
+    monkeypatch.setattr(engine.runner.model.compiled, "logits", refuse)
     ids = [engine.add_request(p, greedy()) for p in engine_prompts[:4]]
     done = {}
     while engine.has_unfinished_requests():
