@@ -60,7 +60,8 @@ def test_measured_configs_apply_to_their_gpu_only(monkeypatch):
     h200 = torch.device("cuda", 0)
     monkeypatch.setattr(decode_config, "gpu_keys", lambda device: ("NVIDIA H200", "sm_90") if device else ())
     assert decode_config.default_tile_config(128, "auto", h200) == (64, 4, 2)  # measured
-    assert decode_config.default_tile_config(128, "int8_v", h200) == (32, 4, 3)  # not measured: fallback
+    assert decode_config.default_tile_config(128, "int8_v", h200) == (128, 4, 3)  # measured (2026-12-04)
+    assert decode_config.default_tile_config(256, "auto", h200) == (32, 4, 3)  # not measured: fallback
     assert decode_config.default_tile_config(128, "auto", None) == (64, 4, 3)  # fallback off-GPU
     assert decode_config.default_tile_config(96, "auto", h200) == (64, 4, 2)  # d96 runs as padded d128
 
