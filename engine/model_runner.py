@@ -11,6 +11,7 @@ step's layers compiled (``engine.models.model.CompiledDecode``), padded or not.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from engine.input_batch import PaddedDecodeInputs, StagingBuffer, stage_step
 from engine.logprobs import TokenLogprob, prompt_logprobs
 from engine.memory import default_kv_bytes
 from engine.model_config import ModelConfig
+from engine.models.linear import pack_for_onednn
 from engine.models.loader import load_model
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledBatch
@@ -31,6 +33,8 @@ from engine.step_diagnosis import DeviceClock
 from kvstore import KVCache, KVCacheSpec
 from kvstore.ring import RingSpec
 from kvstore.shared_pool import create_shared_pool
+
+log = logging.getLogger(__name__)
 
 _INITIAL_STAGING_BYTES = 1 << 20  # grows on demand
 
@@ -78,6 +82,10 @@ class ModelRunner:
             self.kv_cache, self.kv_pool_path = create_shared_pool(self.kv_spec, num_blocks, config.shared_kv_name)
         else:
             self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
+        if self.device.type == "cpu":
+            packed = pack_for_onednn(self.model)
+            if packed:
+                log.info("linear weights packed for oneDNN: %.0f MiB more host memory", packed / 2**20)
         if config.compile_decode and self.device.type == "cpu":  # (on a GPU the decode CUDA graphs do this work)
             self.model.compile_decode(self.kv_cache.layers)
         self.sampler = Sampler(model_config.vocab_size, self.device, config.seed, eos_token_ids)

@@ -29,7 +29,14 @@ compile_threads = 1  # the threads a compiled decode step splits for (set by ``C
 
 
 class Linear(nn.Linear):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (``pack_for_onednn``)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (a compiled step never reads ``packed``: dynamo would have to trace an opaque-layout tensor)
+        if not torch.compiler.is_compiling() and self.packed is not None and x.dim() == 2:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         blocks = split_blocks(x, self.weight)
         if blocks > 1:
             return split_linear(x, self.weight, self.bias, blocks)
@@ -62,3 +69,25 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     y = torch.bmm(x.unsqueeze(0).expand(blocks, rows, x.shape[1]), per_block)  # (blocks, rows, out / blocks)
     y = y.transpose(0, 1).reshape(rows, out)
     return y if bias is None else y + bias
+
+
+def pack_for_onednn(model: nn.Module) -> int:
+    """Give every float32 ``Linear`` of ``model`` on the CPU a copy of its weight in oneDNN's blocked layout
+    (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's weight freezing does), which eager products of
+    any number of rows then use; returns the bytes the copies take (0 without oneDNN).
+
+    oneDNN reads a packed weight without reordering it on every call. On the bundled model's weights, two
+    threads, one run alternating the sides: 8 rows 21 against 34 ms unpacked, 64 rows 82 against 115, 256
+    rows 277 against 326 (165-196 GFLOP/s), and 16 rows 35 ms against 55 for the split ``bmm``; the same
+    bits as the unpacked oneDNN product from 2 rows on. The plain weight stays: the compiled one-sequence
+    decode step reads it, and a tied LM head shares it with the embedding."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    nbytes = 0
+    with torch.no_grad():
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(module, Linear) and weight.device.type == "cpu" and weight.dtype == torch.float32:
+                module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 16)
+                nbytes += module.weight.numel() * module.weight.element_size()
+    return nbytes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_testing import BLOCK_SIZE, greedy
 
 from engine import LLM, SamplingParams
@@ -25,8 +26,12 @@ def test_batched_equals_unbatched(llm, engine_prompts, hf_greedy):
 
 
 def test_decode_products_split_over_the_weights_rows_match_transformers(llm, engine_prompts, hf_greedy, monkeypatch):
-    """With more than one thread, a decode step's products run as a bmm over blocks of each weight's rows
-    (``engine.models.linear``); forced here on this test process's one thread, alone and in a batch."""
+    """Where a weight has no packed copy (a CPU without oneDNN, a dtype other than float32) and there is more
+    than one thread, a decode step's products run as a bmm over blocks of each weight's rows
+    (``engine.models.linear``); forced here without the packed copies, on one thread, alone and in a batch."""
+    for module in llm.engine.runner.model.modules():
+        if isinstance(module, linear.Linear):
+            monkeypatch.setattr(module, "packed", None)
     calls = []
 
     def split_blocks(x, weight):
@@ -38,6 +43,20 @@ def test_decode_products_split_over_the_weights_rows_match_transformers(llm, eng
     outs = llm.generate(engine_prompts, greedy())
     assert alone.token_ids == hf_greedy[0] and [o.token_ids for o in outs] == hf_greedy
     assert 1 in calls and len(engine_prompts) in calls  # the decode steps' rows went through the split
+
+
+def test_packed_weights_give_the_plain_product(llm):
+    """Every float32 product on the CPU goes through the weight's oneDNN-packed copy (``pack_for_onednn``): its
+    rows equal ``F.linear``'s over the plain weight within float32 rounding, for a decode's rows and a prefill's."""
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, linear.Linear)]
+    assert layers and all(m.packed is not None for m in layers)
+    torch.manual_seed(0)
+    for module in (layers[0], layers[-1]):  # a layer's QKV product and the LM head
+        for rows in (1, 3, 16, 300):
+            x = torch.randn(rows, module.in_features)
+            with torch.inference_mode():
+                got, want = module(x), torch.nn.functional.linear(x, module.weight, module.bias)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_small_pool_preempts_and_chunked_prefill_still_match(engine_prompts, hf_greedy):
