@@ -1,4 +1,8 @@
-"""``Linear``: ``nn.Linear`` whose products of a few rows run on every CPU thread.
+"""``Linear``: ``nn.Linear`` whose products run at the CPU's speed.
+
+On the CPU a float32 ``Linear`` keeps a copy of its weight in oneDNN's blocked layout (``pack_for_onednn``),
+and its eager products of any number of rows go to oneDNN over that copy (numbers in that function's
+docstring). The rest of this docstring is about where nothing is packed, and the compiled decode step.
 
 A decode step multiplies a few rows (one per sequence) by each weight matrix: a matrix-vector product that
 reads the whole weight and does two FLOPs per element read, so it runs at the memory's speed. PyTorch's CPU
