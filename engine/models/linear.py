@@ -16,9 +16,9 @@ a compiled one-sequence decode step (``engine.models.model.CompiledDecode``) ind
 ``bmm`` into a reduction of its own, parallel over the blocks, with no call into the BLAS; the thread count is
 then the one fixed at compile time (``compile_threads``), since reading it would break the graph.
 
-Many rows (a prefill's) on the CPU go to oneDNN's matrix product (``torch.ops.mkldnn._linear_pointwise``, the one
-inductor emits for a CPU linear layer) rather than MKL's, which ``F.linear`` calls: on the bundled model's
-shapes with 256 rows, 166-179 GFLOP/s against 122-145 on two threads here. CUDA goes to ``F.linear`` unchanged.
+Unpacked, many rows (a prefill's) go to ``F.linear``. (oneDNN's matrix product over the unpacked weight, used
+for them before packing, gave 166-179 GFLOP/s against MKL's 122-145 on the bundled model's shapes with 256
+rows; packed gives 196.) CUDA goes to ``F.linear`` unchanged.
 """
 
 from __future__ import annotations
@@ -44,15 +44,7 @@ class Linear(nn.Linear):
         blocks = split_blocks(x, self.weight)
         if blocks > 1:
             return split_linear(x, self.weight, self.bias, blocks)
-        if onednn_rows(x, self.weight):
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
-
-def onednn_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x`` has a prefill's rows (more than ``SPLIT_MAX_ROWS``) of float32 on a CPU with oneDNN."""
-    return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] > SPLIT_MAX_ROWS
-            and x.dtype == weight.dtype == torch.float32 and torch.backends.mkldnn.is_available())  # fmt: skip
 
 
 def split_blocks(x: torch.Tensor, weight: torch.Tensor) -> int:
@@ -90,8 +82,10 @@ def pack_for_onednn(model: nn.Module) -> int:
     nbytes = 0
     with torch.no_grad():
         for module in model.modules():
-            weight = getattr(module, "weight", None)
-            if isinstance(module, Linear) and weight.device.type == "cpu" and weight.dtype == torch.float32:
-                module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 16)
-                nbytes += module.weight.numel() * module.weight.element_size()
+            if not isinstance(module, Linear):
+                continue
+            weight = module.weight.detach()
+            if weight.device.type == "cpu" and weight.dtype == torch.float32:
+                module.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+                nbytes += weight.numel() * weight.element_size()
     return nbytes

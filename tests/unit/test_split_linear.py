@@ -36,19 +36,20 @@ def test_only_few_rows_on_a_cpu_with_threads_to_spare_are_split(monkeypatch):
     assert linear.split_blocks(torch.empty(1, 64), weight) == 1
 
 
-def test_a_prefills_rows_go_to_onednn_and_give_the_linear_product(monkeypatch):
+@pytest.mark.parametrize("rows", [1, 16, linear.SPLIT_MAX_ROWS + 1])
+def test_packed_layers_go_to_onednn_and_give_the_linear_product(monkeypatch, rows):
     gen = torch.Generator().manual_seed(1)
     layer = linear.Linear(576, 960, bias=True)
-    x = torch.randn(linear.SPLIT_MAX_ROWS + 1, 576, generator=gen)
+    assert linear.pack_for_onednn(layer) == 960 * 576 * 4
+    x = torch.randn(rows, 576, generator=gen)
     calls = []
     onednn = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: calls.append(1) or onednn(*args),
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: calls.append(args[1]) or onednn(*args),
                         raising=False)  # fmt: skip
     with torch.inference_mode():
         got = layer(x)
-    assert calls == [1]
+    assert len(calls) == 1 and calls[0] is layer.packed
     exact = F.linear(x.double(), layer.weight.double(), layer.bias.double())
     torch.testing.assert_close(got.double(), exact, rtol=0, atol=1e-4)  # float32 sums of 576 terms, as F.linear's
-    assert linear.onednn_rows(x, layer.weight)
-    assert not linear.onednn_rows(x[: linear.SPLIT_MAX_ROWS], layer.weight)  # a decode step's rows
-    assert not linear.onednn_rows(x.double(), layer.weight.double())
+    double = linear.Linear(576, 960, dtype=torch.float64)
+    assert linear.pack_for_onednn(double) == 0 and double.packed is None  # float32 only
