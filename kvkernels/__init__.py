@@ -1,4 +1,5 @@
-"""Model kernels: Triton on CUDA (or under ``TRITON_INTERPRET=1``), PyTorch references otherwise.
+"""Model kernels: Triton on CUDA (or under ``TRITON_INTERPRET=1``), PyTorch references otherwise; on the CPU,
+decode attention over float32 pools runs a small C kernel where a compiler is at hand (``cpu_decode``).
 
 ``_implementation`` is the one place that picks the backend. Triton modules are
 imported on first use, so ``import kvkernels`` works where Triton is not
@@ -18,7 +19,7 @@ import os
 
 import torch
 
-from kvkernels import reference
+from kvkernels import cpu_decode, reference
 
 __all__ = [
     "add_rms_norm",
@@ -85,6 +86,8 @@ def paged_decode_attention(
     (``ring``, with ``q_sink``: over each sequence's sinks and window only)."""
     _check_int8(k_cache, k_scale, "k_cache")
     _check_int8(v_cache, v_scale, "v_cache")
+    if ring is None and k_scale is None and not use_triton(q.device) and cpu_decode.applies(q, k_cache, v_cache):
+        return cpu_decode.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     impl = _implementation("paged_decode_attention", q.device)
     window = {} if ring is None else {"q_sink": q_sink, "ring": ring}
     return impl(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=k_scale, v_scale=v_scale, **window)

@@ -41,6 +41,7 @@ import kvkernels
 from engine.model_config import ModelConfig
 from engine.models import linear
 from engine.models.attention import AttentionMetadata, paged_attention
+from engine.models.guards_once import GuardsOnce
 from engine.models.linear import Linear
 from engine.models.moe import SparseMoE
 from engine.models.rotary import rotary_embeddings
@@ -243,6 +244,18 @@ def _layer_step(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | N
     return layer(x, residual, cos_sin, kv, meta)
 
 
+def _layer_kind(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor,
+                kv: LayerKV, meta: AttentionMetadata) -> tuple:  # fmt: skip
+    """What the compiled layer step's guards tell apart between the calls ``CompiledDecode`` makes: x, cos_sin
+    and the metadata are new contiguous float32/int tensors of fixed shapes but the block table's width."""
+    return (layer, kv.k_cache, kv.v_cache, residual is None, meta.block_tables.shape[1] == 1,
+            torch.is_grad_enabled(), torch.is_inference_mode_enabled())  # fmt: skip
+
+
+def _logits_kind(model: CausalLM, hidden: torch.Tensor) -> tuple:
+    return model, hidden.shape, torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+
 class CompiledDecode:
     """The decoder layers of a one-sequence decode step on the CPU, through ``torch.compile`` (inductor).
 
@@ -254,9 +267,12 @@ class CompiledDecode:
     that samples one row, a prefill's last too) go through a compiled LM head of their own.
 
     All layers share one graph (their parameters are its inputs), compiled once with dynamic lengths, so a
-    sequence growing token by token never recompiles. Only one-sequence decode steps of float KV without
-    windows run it: larger batches spend their time in the products, where inductor's code did worse than the
-    split ``bmm`` here (batch 4: 78 against 62-72 ms; batch 16: 170 against 100 ms). Construction compiles
+    sequence growing token by token never recompiles. Dynamo's guards run once per layer and kind of call,
+    not on each of a step's 31 calls (``GuardsOnce``: 25.1 against 23.0 ms a step, one run alternating).
+    Only one-sequence decode steps of float KV without windows run it: larger batches spend their time in the
+    products, where inductor's code did worse than the split ``bmm`` (batch 4: 78 against 62-72 ms; batch 16:
+    170 against 100 ms), and the eager step now has oneDNN's packed products (``linear.pack_for_onednn``) and
+    the C decode attention (``kvkernels.cpu_decode``). Construction compiles
     and runs two steps over block 0 of an unused pool (one and two blocks long: inductor specializes a size
     of 1), so no request waits for the compiler; inductor keeps what it compiled on disk, and a process
     started later loads it."""
@@ -266,10 +282,12 @@ class CompiledDecode:
         if config.moe_layers or config.sliding_window is not None:
             raise ValueError("compile_decode: models with experts or sliding windows decode eagerly")
         linear.compile_threads = torch.get_num_threads()
-        self.layer = torch.compile(_layer_step, fullgraph=True, dynamic=True)
+        # dynamo's guards run once per kind of call (``GuardsOnce``): per layer, with or without a residual
+        # (the first layer's is None), a table of one block or more (inductor specializes a size of 1)
+        self.layer = GuardsOnce(_layer_step, torch.compile(_layer_step, fullgraph=True, dynamic=True), _layer_kind)
         # one row's logits: inductor's reduction reads the LM head (a fifth of the bundled model's bytes) at about
         # 25 GB/s here, the eager split ``bmm`` at about 17
-        self.logits = torch.compile(_logits, fullgraph=True, dynamic=False)
+        self.logits = GuardsOnce(_logits, torch.compile(_logits, fullgraph=True, dynamic=False), _logits_kind)
         began = time.perf_counter()
         block_size = kv_layers[0].k_cache.shape[1]
         model.compiled = self

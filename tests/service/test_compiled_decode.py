@@ -8,6 +8,7 @@ sequences never compile again (a recompile would stall a request for seconds).""
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_testing import BLOCK_SIZE, greedy
 from torch._dynamo.utils import counters
 
@@ -47,6 +48,21 @@ def test_one_sequence_decodes_compiled_and_gives_transformers_tokens(engine, eng
     assert len(calls) == decode_steps * layers  # every decode step ran compiled
     assert len(heads) == sum(len(w) for w in hf_greedy)  # every token's logits too, the prefill's first included
     assert counters["stats"]["unique_graphs"] == frames, "a decode step compiled again after the start"
+
+
+def test_decode_steps_run_the_compiled_code_past_dynamos_guards(engine, engine_prompts):
+    """``GuardsOnce``: once each layer's kinds of call are known (the start's warm-up steps and the test above),
+    a decode step evaluates no guards; the tokens are checked against transformers above."""
+    engine.add_request(engine_prompts[0], greedy())
+    for _ in range(3):  # the prefill, then decode steps
+        engine.step()
+    with torch.profiler.profile() as profile:
+        engine.step()
+    names = [event.name for event in profile.events()]
+    assert any(name.startswith("## Call CompiledFxGraph") for name in names)  # (the step did run compiled)
+    assert "TorchDynamo Cache Lookup" not in names
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def test_a_batch_of_several_decodes_eagerly_with_the_same_tokens(engine, engine_prompts, hf_greedy, monkeypatch):
