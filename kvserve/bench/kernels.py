@@ -10,7 +10,9 @@
 * ``--sweep``: every decode tile config of a small grid on a few shapes (``kvserve.bench.kernel_sweep``).
 
 Times are medians from ``triton.testing.do_bench``, which clears the L2 cache
-before every run. Needs CUDA; elsewhere it says so and exits 0.
+before every run. Without CUDA it measures the CPU's decode attention instead: the C kernel
+(``kvkernels.cpu_decode``) against the PyTorch reference, float32, the two sides alternated, each call
+after a pass over 64 MiB that pushes the pool out of the caches (as a decode step's weights do).
 """
 
 from __future__ import annotations
@@ -147,6 +149,45 @@ def bench_store(num_tokens: int = 16384, num_kv_heads: int = 8, head_dim: int = 
               + ("" if name == "bf16" else "  (TB/s counts bf16 bytes)"))  # fmt: skip
 
 
+def bench_cpu_decode(batches, contexts, rounds: int = 20) -> None:
+    """The C decode kernel against the reference on this CPU (``kvserve.bench.kernels`` without CUDA)."""
+    import statistics
+    import time
+
+    from kvkernels import cpu_decode, reference
+
+    if not cpu_decode.applies(torch.zeros(1), torch.zeros(1), torch.zeros(1)):
+        print("the C decode kernel cannot be built here (no C compiler, or KVSERVE_CPU_KERNELS=0)")
+        return
+    print(f"\npaged decode attention on the CPU, float32, block 16, shuffled block tables, "
+          f"{torch.get_num_threads()} threads")  # fmt: skip
+    print(f"{'heads':>8} {'d':>4} {'batch':>5} {'ctx':>5} {'C us':>8} {'GB/s':>6} {'reference us':>12} "
+          f"{'GB/s':>6} {'C/reference':>11}")  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    evict = torch.empty(16 << 20)  # 64 MiB
+    for num_q_heads, num_kv_heads, head_dim in ((9, 3, 64), *HEAD_LAYOUTS[:1]):
+        for batch in batches:
+            for ctx in contexts:
+                k = torch.randn(batch, num_kv_heads, ctx, head_dim, generator=generator)
+                k_cache, v_cache, block_tables = inputs.paged_copy(k, torch.randn_like(k), generator)
+                q = torch.randn(batch, num_q_heads, head_dim, generator=generator)
+                seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
+                args = (q, k_cache, v_cache, block_tables, seq_lens, head_dim**-0.5)
+                sides = {"c": cpu_decode.paged_decode_attention, "reference": reference.paged_decode_attention}
+                times = {name: [] for name in sides}
+                for _ in range(rounds):
+                    for name, fn in sides.items():
+                        evict.fill_(1.0)
+                        began = time.perf_counter()
+                        fn(*args)
+                        times[name].append(time.perf_counter() - began)
+                c_us, ref_us = (statistics.median(times[name]) * 1e6 for name in ("c", "reference"))
+                kv_bytes = 2 * batch * num_kv_heads * ctx * head_dim * 4
+                print(f"{num_q_heads:>3}:{num_kv_heads:<4} {head_dim:>4} {batch:>5} {ctx:>5} {c_us:8.0f} "
+                      f"{kv_bytes / c_us / 1e3:6.1f} {ref_us:12.0f} {kv_bytes / ref_us / 1e3:6.1f} "
+                      f"{c_us / ref_us:11.2f}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Benchmark the Triton kernels on a CUDA GPU.")
     parser.add_argument("--quick", action="store_true", help="a few shapes only (about 20 seconds)")
@@ -154,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-only", action="store_true", help="only the sweep, not the tables")
     options = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kvserve.bench.kernels needs a CUDA GPU; none is available here, so there is nothing to measure.")
+        print("no CUDA GPU here: the Triton kernels are not measured; the CPU's decode attention is")
+        bench_cpu_decode(batches=(4, 16) if options.quick else (1, 4, 16, 64), contexts=(256, 1024))
         return 0
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     if options.quick and not options.sweep_only:
