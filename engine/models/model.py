@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -244,6 +245,19 @@ def _layer_step(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | N
     return layer(x, residual, cos_sin, kv, meta)
 
 
+def _compile(function: Callable, dynamic: bool) -> Callable:
+    """``torch.compile(function)``, traced with float attributes (a norm's eps, attention's scale) as constants:
+    by default dynamo makes each a tensor input, built from the float before every call (19 against 35 us of
+    Python a layer call, 0.5 ms a step)."""
+    compiled = torch.compile(function, fullgraph=True, dynamic=dynamic)
+
+    def call(*args):
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args)
+
+    return call
+
+
 def _layer_kind(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor,
                 kv: LayerKV, meta: AttentionMetadata) -> tuple:  # fmt: skip
     """What the compiled layer step's guards tell apart between the calls ``CompiledDecode`` makes: x, cos_sin
@@ -284,10 +298,10 @@ class CompiledDecode:
         linear.compile_threads = torch.get_num_threads()
         # dynamo's guards run once per kind of call (``GuardsOnce``): per layer, with or without a residual
         # (the first layer's is None), a table of one block or more (inductor specializes a size of 1)
-        self.layer = GuardsOnce(_layer_step, torch.compile(_layer_step, fullgraph=True, dynamic=True), _layer_kind)
+        self.layer = GuardsOnce(_layer_step, _compile(_layer_step, dynamic=True), _layer_kind)
         # one row's logits: inductor's reduction reads the LM head (a fifth of the bundled model's bytes) at about
         # 25 GB/s here, the eager split ``bmm`` at about 17
-        self.logits = GuardsOnce(_logits, torch.compile(_logits, fullgraph=True, dynamic=False), _logits_kind)
+        self.logits = GuardsOnce(_logits, _compile(_logits, dynamic=False), _logits_kind)
         began = time.perf_counter()
         block_size = kv_layers[0].k_cache.shape[1]
         model.compiled = self
