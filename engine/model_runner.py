@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import kvkernels
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs, decode_buckets, decode_forward
 from engine.input_batch import PaddedDecodeInputs, StagingBuffer, stage_step
@@ -30,6 +31,7 @@ from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.step_diagnosis import DeviceClock
+from kvkernels import cpu_decode
 from kvstore import KVCache, KVCacheSpec
 from kvstore.ring import RingSpec
 from kvstore.shared_pool import create_shared_pool
@@ -86,6 +88,11 @@ class ModelRunner:
             packed = pack_for_onednn(self.model)
             if packed:
                 log.info("linear weights packed for oneDNN: %.0f MiB more host memory", packed / 2**20)
+            pool = self.kv_cache.layers[0]
+            if pool.k_cache.dtype == torch.float32 and not kvkernels.use_triton(self.device):
+                # (builds the C kernel now if no earlier process on this host did: no request waits for it)
+                kernel = "a C kernel (kvkernels.cpu_decode)" if cpu_decode.available() else "the PyTorch reference"
+                log.info("decode attention on the CPU: %s", kernel)
         if config.compile_decode and self.device.type == "cpu":  # (on a GPU the decode CUDA graphs do this work)
             self.model.compile_decode(self.kv_cache.layers)
         self.sampler = Sampler(model_config.vocab_size, self.device, config.seed, eos_token_ids)

@@ -40,11 +40,17 @@ def enabled() -> bool:
     return os.environ.get("KVSERVE_CPU_KERNELS", "1").lower() not in ("0", "false", "no", "off")
 
 
+def available() -> bool:
+    """Whether the C kernel runs here (enabled, and built or loaded now: a worker asks at start, so that no
+    request waits for the compiler)."""
+    return enabled() and _library() is not None
+
+
 def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether this decode batch can take the C kernel (the library is then built or loaded)."""
     float32 = q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
     contiguous = k_cache.is_contiguous() and v_cache.is_contiguous()
-    return q.device.type == "cpu" and float32 and contiguous and enabled() and _library() is not None
+    return q.device.type == "cpu" and float32 and contiguous and available()
 
 
 def paged_decode_attention(
