@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 import kvkernels
+from engine.bundled import cache_dir
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs, decode_buckets, decode_forward
 from engine.input_batch import PaddedDecodeInputs, StagingBuffer, stage_step
@@ -33,6 +34,7 @@ from engine.sequence import Sequence
 from engine.step_diagnosis import DeviceClock
 from kvkernels import cpu_decode
 from kvstore import KVCache, KVCacheSpec
+from kvstore.private_dir import private_dir
 from kvstore.ring import RingSpec
 from kvstore.shared_pool import create_shared_pool
 
@@ -88,10 +90,8 @@ class ModelRunner:
             packed = pack_for_onednn(self.model)
             if packed:
                 log.info("linear weights packed for oneDNN: %.0f MiB more host memory", packed / 2**20)
-            pool = self.kv_cache.layers[0]
-            if pool.k_cache.dtype == torch.float32 and not kvkernels.use_triton(self.device):
-                # (builds the C kernel now if no earlier process on this host did: no request waits for it)
-                kernel = "a C kernel (kvkernels.cpu_decode)" if cpu_decode.available() else "the PyTorch reference"
+            if self.kv_cache.layers[0].k_cache.dtype == torch.float32 and not kvkernels.use_triton(self.device):
+                kernel = "a C kernel (kvkernels.cpu_decode)" if prepare_cpu_decode() else "the PyTorch reference"
                 log.info("decode attention on the CPU: %s", kernel)
         if config.compile_decode and self.device.type == "cpu":  # (on a GPU the decode CUDA graphs do this work)
             self.model.compile_decode(self.kv_cache.layers)
@@ -228,3 +228,15 @@ class ModelRunner:
 
     def _pinned_tokens(self, size: int) -> torch.Tensor:
         return torch.empty(size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+
+
+def prepare_cpu_decode() -> bool:
+    """Build (or load) the CPU's C decode attention now, in this user's cache directory (``kvkernels.cpu_decode``:
+    it is code this process runs, so the directory must be this user's alone); whether it runs."""
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        directory = private_dir(cache_dir() / "kernels")
+    except (OSError, RuntimeError) as error:
+        log.warning("CPU decode attention runs the PyTorch reference: %s", error)
+        return False
+    return cpu_decode.prepare(directory)

@@ -8,24 +8,24 @@ per (sequence, KV head), with an exponential of its own over 16 lanes (within ab
 0.15-0.6x the reference's time (``python -m kvserve.bench.kernels`` on a host
 without CUDA measures the two side by side: 11-13 GB/s against 2-5 at 16-64 sequences here).
 
-It runs float32 pools on the CPU, without int8 scales or windows, where a C compiler with OpenMP is at hand
-(``cc``, as inductor needs one too); everything else takes the reference. The library is compiled with
-``-O3 -march=native`` into a per-user directory under the temporary directory (as inductor's cache is), named
-by a hash of the source, the flags and the CPU's flags, so a later process loads it, and a host with another
-CPU builds its own. ``KVSERVE_CPU_KERNELS=0`` turns the kernel off (the reference then runs).
+It runs float32 pools on the CPU, without int8 scales or windows, once a process has ``prepare``d it: built
+with ``-O3 -march=native`` by a C compiler with OpenMP (``cc``, as inductor needs one too), or loaded where an
+earlier process built it. Everything else takes the reference, and so does every process without a compiler
+or with ``KVSERVE_CPU_KERNELS=0``. The library is named by a hash of the source, the flags and the CPU's flags
+(a host with another CPU builds its own), in a directory the caller guarantees private to this user: it is
+code this process runs, so nobody else may be able to put a file there (an engine uses its cache directory,
+checked by ``kvstore.private_dir``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
@@ -40,10 +40,22 @@ def enabled() -> bool:
     return os.environ.get("KVSERVE_CPU_KERNELS", "1").lower() not in ("0", "false", "no", "off")
 
 
+_loaded: list[ctypes.CDLL] = []  # the kernel, once ``prepare`` built or loaded it (at most one a process)
+
+
+def prepare(directory: Path) -> bool:
+    """Build the kernel in ``directory`` (private to this user) unless it is there, and load it; returns
+    ``available()``. A worker prepares it at start, so that no request waits for the compiler."""
+    if enabled() and not _loaded:
+        library = _build_or_load(directory)
+        if library is not None:
+            _loaded.append(library)
+    return available()
+
+
 def available() -> bool:
-    """Whether the C kernel runs here (enabled, and built or loaded now: a worker asks at start, so that no
-    request waits for the compiler)."""
-    return enabled() and _library() is not None
+    """Whether decode batches that ``applies`` takes run the C kernel."""
+    return enabled() and bool(_loaded)
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -68,7 +80,7 @@ def paged_decode_attention(
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
-    status = _library().kvserve_paged_decode_f32(
+    status = _loaded[0].kvserve_paged_decode_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
         lens.data_ptr(), out.data_ptr(), num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim, block_size,
         ctypes.c_float(scale), torch.get_num_threads(),
@@ -78,20 +90,17 @@ def paged_decode_attention(
     return out
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The compiled kernel, built now if no earlier process built it for this source and CPU; None without a
-    compiler (logged once)."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        log.info("no C compiler: CPU decode attention runs the PyTorch reference")
-        return None
+def _build_or_load(directory: Path) -> ctypes.CDLL | None:
+    """The compiled kernel from ``directory``, built there now if no earlier process built it for this source
+    and CPU; None without a compiler, or where the build fails (logged)."""
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    directory = Path(tempfile.gettempdir()) / f"kvserve-kernels-{os.getuid()}"
     path = directory / f"cpu_decode_attention-{key}.so"
     if not path.exists():
-        directory.mkdir(mode=0o700, exist_ok=True)
+        compiler = shutil.which(os.environ.get("CC", "cc"))
+        if compiler is None:
+            log.info("no C compiler: CPU decode attention runs the PyTorch reference")
+            return None
         building = path.with_suffix(f".{os.getpid()}.tmp")  # then renamed: a concurrent build never loads half a file
         result = subprocess.run([compiler, *FLAGS, "-o", str(building), str(SOURCE), "-lm"],
                                 capture_output=True, text=True)  # fmt: skip

@@ -154,9 +154,10 @@ def bench_cpu_decode(batches, contexts, rounds: int = 20) -> None:
     import statistics
     import time
 
+    from engine.model_runner import prepare_cpu_decode
     from kvkernels import cpu_decode, reference
 
-    if not cpu_decode.available():
+    if not prepare_cpu_decode():
         print("the C decode kernel cannot be built here (no C compiler, or KVSERVE_CPU_KERNELS=0)")
         return
     print(f"\npaged decode attention on the CPU, float32, block 16, shuffled block tables, "

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvkernels
+from engine.model_runner import prepare_cpu_decode
 from kvkernels import cpu_decode, reference
 from kvkernels.reference import attention
 from kvkernels.reference.attention import _length_groups
@@ -31,9 +32,10 @@ def _naive(q, k_cache, v_cache, block_tables, seq_lens, scale):
     return out
 
 
-def _c_kernel():
-    if not cpu_decode.available():
-        pytest.skip("no C compiler here: the CPU decode kernel cannot be built")
+@pytest.fixture(scope="module")
+def c_kernel(tmp_path_factory):
+    if not cpu_decode.prepare(tmp_path_factory.mktemp("kernels")):
+        pytest.skip("no C compiler here (or KVSERVE_CPU_KERNELS=0): the CPU decode kernel cannot be built")
     return cpu_decode.paged_decode_attention
 
 
@@ -44,8 +46,8 @@ def _c_kernel():
     ("c", None, 80),  # 5 x 16 lanes
     ("c", None, 35),  # 2 x 16 lanes and a tail of 3
 ])  # fmt: skip
-def test_cpu_decode_matches_attention_written_out(monkeypatch, implementation, max_gather, head_dim):
-    decode = reference.paged_decode_attention if implementation == "reference" else _c_kernel()
+def test_cpu_decode_matches_attention_written_out(monkeypatch, request, implementation, max_gather, head_dim):
+    decode = reference.paged_decode_attention if implementation == "reference" else request.getfixturevalue("c_kernel")
     if max_gather is not None:
         monkeypatch.setattr(attention, "_MAX_GATHER_ELEMENTS", max_gather)
     torch.manual_seed(0)
@@ -73,11 +75,11 @@ def test_reference_decode_equal_lengths_is_one_group():
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3, 16])  # a task per KV head below 2 x threads, per sequence from there
-def test_c_kernel_matches_the_reference_whatever_the_threads(num_seqs):
+def test_c_kernel_matches_the_reference_whatever_the_threads(c_kernel, num_seqs):
     """The bundled model's heads (9 query, 3 KV, 64 wide) on scattered blocks of 16: the reference's values
     within float32 rounding (also where scores are large), and the same bits on 1 and 2 threads (a head's sums
     run in the same order whichever task holds it)."""
-    decode = _c_kernel()
+    decode = c_kernel
     generator = torch.Generator().manual_seed(1)
     k_cache = torch.randn(200, 16, 3, 64, generator=generator)
     v_cache = torch.randn(200, 16, 3, 64, generator=generator)
@@ -102,10 +104,9 @@ def test_c_kernel_matches_the_reference_whatever_the_threads(num_seqs):
     torch.testing.assert_close(sharp, expected, atol=1e-3, rtol=1e-3)  # a score's rounding, times 500
 
 
-def test_the_cpu_takes_the_c_kernel_for_float32_pools_only(monkeypatch, tmp_path):
-    """kvkernels' entry point: the C kernel for float32 pools, the reference for others, with the kernel turned
-    off, and without a compiler (it builds nothing then, and says so once)."""
-    _c_kernel()
+def test_the_cpu_takes_the_c_kernel_for_float32_pools_only(c_kernel, monkeypatch, tmp_path):
+    """kvkernels' entry point: the C kernel for float32 pools once prepared, the reference for others and with
+    the kernel turned off; and a process without a compiler builds nothing and keeps the reference."""
     calls = []
     monkeypatch.setattr(cpu_decode, "paged_decode_attention", lambda *args: calls.append(args) or args[0])
     if kvkernels.use_triton(torch.device("cpu")):  # TRITON_INTERPRET=1: the CPU runs Triton, not C
@@ -118,13 +119,20 @@ def test_the_cpu_takes_the_c_kernel_for_float32_pools_only(monkeypatch, tmp_path
     monkeypatch.setenv("KVSERVE_CPU_KERNELS", "0")
     kvkernels.paged_decode_attention(q, k_cache, k_cache, tables, lens, 0.3)
     monkeypatch.delenv("KVSERVE_CPU_KERNELS")
-    monkeypatch.setenv("CC", "false")  # a "compiler" that fails
-    monkeypatch.setattr(cpu_decode.tempfile, "gettempdir", lambda: str(tmp_path))  # nothing built there yet
-    cpu_decode._library.cache_clear()
-    try:
-        assert cpu_decode._library() is None
-        assert list(tmp_path.glob("*/*")) == []  # no half-built library left behind
-        kvkernels.paged_decode_attention(q, k_cache, k_cache, tables, lens, 0.3)
-    finally:
-        cpu_decode._library.cache_clear()
+    monkeypatch.setattr(cpu_decode, "_loaded", [])  # a new process, whose compiler fails
+    monkeypatch.setenv("CC", "false")
+    assert not cpu_decode.prepare(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # no half-built library left behind
+    kvkernels.paged_decode_attention(q, k_cache, k_cache, tables, lens, 0.3)
     assert len(calls) == 1
+
+
+def test_a_kernel_directory_others_can_write_is_refused(monkeypatch, tmp_path):
+    """The library is code every worker runs: where its directory is open to other users (who could have put
+    their own library there), the worker keeps the reference and builds or loads nothing."""
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels").chmod(0o777)
+    monkeypatch.setattr(cpu_decode, "_loaded", [])
+    assert not prepare_cpu_decode()
+    assert not cpu_decode.available() and list((tmp_path / "kernels").iterdir()) == []
