@@ -73,9 +73,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """matplotlib builds its font cache on its first import, with ``fc-list``: built here, before any test runs, so
-    that a unit or engine test that plots (``kvserve bench ... --plot``) starts no process on a fresh machine."""
+    """Caches a first use builds with a process, built here before any test runs, so that a unit or engine test
+    starts no process on a fresh machine: matplotlib's font cache (``fc-list``, on its first import: a test that
+    plots, ``kvserve bench ... --plot``) and the CPU's C decode attention (``cc``, when an engine starts)."""
     import matplotlib.font_manager  # noqa: F401
+
+    from engine.model_runner import prepare_cpu_decode
+
+    prepare_cpu_decode()
 
 
 @pytest.hookimpl(wrapper=True)
