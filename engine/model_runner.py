@@ -6,7 +6,7 @@ A decode-only batch is padded to a bucket size and runs over fixed input address
 that bucket's captured graph (``engine.cuda_graph``), elsewhere eagerly, so the CPU suite runs the same
 path. Prefill and mixed steps and decode batches past the largest bucket run eagerly on a tightly packed
 batch; ``enforce_eager`` runs every step that way. On the CPU, ``compile_decode`` runs a one-sequence decode
-step's layers compiled (``engine.models.model.CompiledDecode``), padded or not.
+step's layers compiled (``engine.models.compiled_decode.CompiledDecode``), padded or not.
 """
 
 from __future__ import annotations

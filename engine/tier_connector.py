@@ -31,7 +31,8 @@ import torch
 from engine.kv_connector import KVConnector
 from engine.sequence import Sequence
 from kvstore import BlockManager, LayerKV
-from kvstore.host_tier import BlockCopier, HostTier, TierEntry, available_host_bytes
+from kvstore.block_copier import BlockCopier
+from kvstore.host_tier import HostTier, TierEntry, available_host_bytes
 from kvstore.prefix_hash import block_hashes
 
 log = logging.getLogger(__name__)

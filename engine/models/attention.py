@@ -62,7 +62,7 @@ def paged_attention(
     q ``(tokens, q_heads, head_dim)``, k and v ``(tokens, kv_heads, head_dim)``. With ``q_sink`` (the queries
     rotated at their positions inside their caches) the layer attends over ``meta.ring``'s windows.
     """
-    if torch.compiler.is_compiling():  # a compiled one-sequence decode step (``engine.models.model.CompiledDecode``)
+    if torch.compiler.is_compiling():  # a compiled one-sequence decode step (``compiled_decode.CompiledDecode``)
         return compiled_decode_attention(q, k, v, kv, meta, scale)
     scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale}
     kvkernels.store_kvcache(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, **scales)

@@ -12,7 +12,7 @@ one thread and on two (8.6 GB/s), where two threads read memory at about 32 GB/s
 element is the same dot product over the same inputs, computed by the same kernel on each block.
 
 Used where the rows are few (``SPLIT_MAX_ROWS``: a decode step's), on the CPU, with more than one thread. Inside
-a compiled one-sequence decode step (``engine.models.model.CompiledDecode``) inductor turns the same one-row
+a compiled one-sequence decode step (``engine.models.compiled_decode.CompiledDecode``) inductor turns the same one-row
 ``bmm`` into a reduction of its own, parallel over the blocks, with no call into the BLAS; the thread count is
 then the one fixed at compile time (``compile_threads``), since reading it would break the graph.
 

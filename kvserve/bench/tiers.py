@@ -158,7 +158,8 @@ def bandwidth(model: str, device: str, batches: list[int], repeats: int = 5) -> 
     from engine.bundled import resolve_model
     from engine.model_config import ModelConfig
     from kvstore import KVCache, KVCacheSpec
-    from kvstore.host_tier import BlockCopier, HostTier
+    from kvstore.block_copier import BlockCopier
+    from kvstore.host_tier import HostTier
 
     dev = torch.device(device)
     config = ModelConfig.from_dir(resolve_model(model))

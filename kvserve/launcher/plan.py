@@ -10,7 +10,7 @@ nothing to run holds no core and two busy workers never oversubscribe them. With
 GPU host, each gets ``--threads`` (by default its share of the cores) and no lease. Each also gets
 ``--gpu-memory-utilization``, their share of the GPU's total memory, since every worker runs on the same GPU
 (``gpu_memory_shares``; ignored on the CPU). On a CPU host decode workers get ``--compile-decode true`` unless
-``kvserve up`` was given ``--compile-decode``: one user's decode steps run compiled (``engine.models.model``).
+``kvserve up`` was given ``--compile-decode``: one user's decode steps run compiled (``engine.models.compiled_decode``).
 What the options of ``UpSettings`` become for each child is
 ``kvserve.settings``'s docstring.
 
@@ -113,7 +113,7 @@ def plan_cluster(up: UpSettings, extra: ExtraArgv | None = None, host: str = "12
                        "threads": threads, "compute_lease": compute_lease, "drain_timeout": up.drain_timeout,
                        "gpu_memory_utilization": shares[role]}  # fmt: skip
             if role == "decode" and up.compile_decode is None and on_cpu_host(up):
-                planned["compile_decode"] = True  # one user's decode steps compiled (engine.models.model)
+                planned["compile_decode"] = True  # one user's decode steps compiled (engine.models.compiled_decode)
             argv = (sys.executable, "-m", f"{role}_service", *argv_of(planned), *worker_argv, *role_argv)
             children.append(ChildPlan(name, role, port, argv, port + METRICS_PORTS, tuple(planned)))
     planned = {"host": host, "port": up.port, "http_port": up.http_port, "drain_timeout": up.drain_timeout}

@@ -14,8 +14,9 @@ from engine import LLM, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.tier_connector import TierConnector, auto_host_bytes
-from kvstore import BlockManager, KVCache, KVCacheSpec, host_tier
-from kvstore.host_tier import BlockCopier, HostTier
+from kvstore import BlockManager, KVCache, KVCacheSpec, block_copier
+from kvstore.block_copier import BlockCopier
+from kvstore.host_tier import HostTier
 from kvstore.prefix_hash import block_hashes
 
 # -- rows: one block's bytes, every layer ------------------------------------------------------------------
@@ -56,7 +57,7 @@ def test_the_staging_path_for_scattered_slots_moves_the_same_bytes(kv_cache_dtyp
     host.cache.buffer.fill_(0xAB)
     copier = BlockCopier(torch.device("cpu"))
     blocks, slots = [7, 2, 11, 0, 5], [9, 1, 6, 3, 0]
-    assert len(host_tier._runs(slots)) > host_tier._DIRECT_MAX_RUNS
+    assert len(block_copier._runs(slots)) > block_copier._DIRECT_MAX_RUNS
     copier._staged_to_host(src.layers, blocks, host.views, slots)
     back = [4, 10, 1, 8, 6]
     copier._staged_to_device(host.views, slots, dst.layers, back)

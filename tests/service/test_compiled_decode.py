@@ -1,4 +1,4 @@
-"""``compile_decode``: one sequence's decode steps run through ``torch.compile`` (``engine.models.model``'s
+"""``compile_decode``: one sequence's decode steps run through ``torch.compile`` (``engine.models.compiled_decode``'s
 ``CompiledDecode``). Here, not in tests/engine/, because inductor starts the C++ compiler.
 
 The compiled step sums in other orders than the eager one (fused loops, its own reductions), so its greedy

@@ -1,0 +1,137 @@
+"""``CompiledDecode``: one sequence's decode step on the CPU through ``torch.compile`` (see its docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.models import linear
+from engine.models.attention import AttentionMetadata
+from engine.models.guards_once import GuardsOnce
+from kvstore import LayerKV
+
+if TYPE_CHECKING:
+    from engine.models.model import CausalLM, DecoderLayer
+
+log = logging.getLogger(__name__)
+
+
+def head_logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head's float32 logits of ``hidden (rows, hidden)``, capped where the model caps them."""
+    logits = model.lm_head(hidden).float()  # (rows, vocab)
+    cap = model.config.final_logit_softcapping
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _layer_step(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor,
+                kv: LayerKV, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    return layer(x, residual, cos_sin, kv, meta)
+
+
+def _compile(function: Callable, dynamic: bool) -> Callable:
+    """``torch.compile(function)``, traced with float attributes (a norm's eps, attention's scale) as constants:
+    by default dynamo makes each a tensor input, built from the float before every call (19 against 35 us of
+    Python a layer call, 0.5 ms a step)."""
+    compiled = torch.compile(function, fullgraph=True, dynamic=dynamic)
+
+    def call(*args):
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args)
+
+    return call
+
+
+def _layer_kind(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor,
+                kv: LayerKV, meta: AttentionMetadata) -> tuple:  # fmt: skip
+    """What the compiled layer step's guards tell apart between the calls ``CompiledDecode`` makes: x, cos_sin
+    and the metadata are new contiguous float32/int tensors of fixed shapes but the block table's width."""
+    return (layer, kv.k_cache, kv.v_cache, residual is None, meta.block_tables.shape[1] == 1,
+            torch.is_grad_enabled(), torch.is_inference_mode_enabled())  # fmt: skip
+
+
+def _logits_kind(model: CausalLM, hidden: torch.Tensor) -> tuple:
+    return model, hidden.shape, torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+
+class CompiledDecode:
+    """The decoder layers of a one-sequence decode step on the CPU, through ``torch.compile`` (inductor).
+
+    One user's decode step multiplies one row by every weight: 538 MB read for 0.27 GFLOP on the bundled model.
+    Run eagerly, each layer is about a hundred small ATen calls (norms, rotary, the KV store, attention's
+    gather, the split products), each with its dispatch and its OpenMP fork and join: about 17 ms of a 50 ms
+    step on two cores. Compiled, a layer is a few fused C++ loops (``engine.models.linear`` for the products,
+    ``attention.compiled_decode_attention`` for attention), and the step halves. One row's logits (any step
+    that samples one row, a prefill's last too) go through a compiled LM head of their own.
+
+    All layers share one graph (their parameters are its inputs), compiled once with dynamic lengths, so a
+    sequence growing token by token never recompiles. Dynamo's guards run once per layer and kind of call,
+    not on each of a step's 31 calls (``GuardsOnce``: 25.1 against 23.0 ms a step, one run alternating).
+    Only one-sequence decode steps of float KV without windows run it: larger batches spend their time in the
+    products, where inductor's code did worse than the split ``bmm`` (batch 4: 78 against 62-72 ms; batch 16:
+    170 against 100 ms), and the eager step now has oneDNN's packed products (``linear.pack_for_onednn``) and
+    the C decode attention (``kvkernels.cpu_decode``). Construction compiles
+    and runs two steps over block 0 of an unused pool (one and two blocks long: inductor specializes a size
+    of 1), so no request waits for the compiler; inductor keeps what it compiled on disk, and a process
+    started later loads it."""
+
+    def __init__(self, model: CausalLM, kv_layers: list[LayerKV]) -> None:
+        config = model.config
+        if config.moe_layers or config.sliding_window is not None:
+            raise ValueError("compile_decode: models with experts or sliding windows decode eagerly")
+        linear.compile_threads = torch.get_num_threads()
+        # dynamo's guards run once per kind of call (``GuardsOnce``): per layer, with or without a residual
+        # (the first layer's is None), a table of one block or more (inductor specializes a size of 1)
+        self.layer = GuardsOnce(_layer_step, _compile(_layer_step, dynamic=True), _layer_kind)
+        # one row's logits: inductor's reduction reads the LM head (a fifth of the bundled model's bytes) at about
+        # 25 GB/s here, the eager split ``bmm`` at about 17
+        self.logits = GuardsOnce(head_logits, _compile(head_logits, dynamic=False), _logits_kind)
+        began = time.perf_counter()
+        block_size = kv_layers[0].k_cache.shape[1]
+        model.compiled = self
+        with torch.inference_mode():  # as every step's: dynamo guards on a tensor's being an inference tensor
+            for num_blocks in (1, 2):
+                length = num_blocks * block_size
+                meta = AttentionMetadata(
+                    slot_mapping=torch.tensor([length - 1]) % block_size,  # block 0
+                    block_tables=torch.zeros(1, num_blocks, dtype=torch.int32),
+                    seq_lens=torch.tensor([length], dtype=torch.int32),
+                    cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+                    num_decodes=1,
+                    max_q_len=1,
+                )
+                hidden = model(torch.zeros(1, dtype=torch.int64), torch.tensor([length - 1]), kv_layers, meta)
+                model.compute_logits(hidden[-1:])
+        self.compile_s = time.perf_counter() - began
+        log.info("compiled the one-sequence decode step in %.1f s", self.compile_s)
+
+    @staticmethod
+    def meta_for(meta: AttentionMetadata, kv: LayerKV) -> AttentionMetadata | None:
+        """``meta`` with its block table cut to the sequence's blocks, when this step runs compiled; else None."""
+        if (meta.num_seqs != 1 or meta.num_decodes != 1 or meta.ring is not None or kv.k_scale is not None
+                or meta.slot_mapping.device.type != "cpu"):  # fmt: skip
+            return None
+        length = int(meta.seq_lens[0])
+        if length < 1:
+            return None
+        block_size = kv.k_cache.shape[1]
+        # new tensors, as each step's inputs are: dynamo guards on strides (even of a dimension of size 1), and on
+        # a tensor's being an inference tensor (the staged inputs are views of a buffer made outside inference mode)
+        return dataclasses.replace(meta, block_tables=meta.block_tables[:, : -(-length // block_size)].clone(
+            memory_format=torch.contiguous_format), slot_mapping=meta.slot_mapping.clone(),
+            seq_lens=meta.seq_lens.clone())  # fmt: skip
+
+
+def dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` with a new tensor's strides (``contiguous()`` keeps any stride of a dimension of size 1)."""
+    if t is None:
+        return t
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= size
+    return t if t.stride() == tuple(reversed(strides)) else t.clone(memory_format=torch.contiguous_format)
