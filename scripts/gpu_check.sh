@@ -5,38 +5,38 @@
 #   then:        device run, command "bash scripts/gpu_check.sh", carry [".whl"], timeout_s 580
 # Each step runs under its own limit (seconds; 525 together, so that with the wheels' install the command
 # takes at most 9 minutes; the machine's start comes on top); its output is also written to $OUT/<step>.txt,
-# and its exit line says how long it took. (On 2026-12-04 a fresh H200 needed: random-model 18 s, spec 32 s
-# at 64 tokens, sampling 29 s at 2 rounds, moe-model 16 s, moe-offline 34 s; gpu-tests, offline, nano-vllm
-# and tiers ran out of their limits then, which are raised or their sizes cut since.)
-#   kernels-bench  40  decode tile-config sweep (bf16, int8_v, int8 at batch 64, ctx 8192, 32:8, d128; bf16
+# and its exit line says how long it took. (The second 2026-12-04 run, on a fresh H200, needed: kernels-bench
+# 40 s, gpu-tests 161 s on 4 workers, random-model 14, offline 92, nixl 15, nano-vllm 26, cluster 58, spec 23,
+# tiers 16, sampling 21, moe-model 15, moe-offline 32; the limits below follow, gpu-tests on 8 workers.)
+#   kernels-bench  42  decode tile-config sweep (bf16, int8_v, int8 at batch 64, ctx 8192, 32:8, d128; bf16
 #                      d128 ctx 2048 and d64): INT8 vs bf16, and _MEASURED_CONFIGS entries for this GPU
-#   gpu-tests     170  every test marked gpu under tests/ (kernels in bf16 at large shapes, graphs vs eager,
+#   gpu-tests     130  every test marked gpu under tests/ (kernels in bf16 at large shapes, graphs vs eager,
 #                      the engine vs transformers, launches per layer, cuda_ipc, a 1P+1D cluster on the GPU),
-#                      on 4 pytest-xdist workers (Triton's compiles, ptxas processes, are most of their time);
-#                      test modules that import what the GPU machine lacks (openai, jsonschema) are reported
-#                      as collection errors, and the rest run
-#   cuda-ipc       15  kvserve bench cuda_ipc: a 2,048-token Qwen2-0.5B KV into another process's pool
-#   random-model   20  a random Qwen2-0.5B (24 layers, bf16) in /tmp/qwen2-0.5b
-#   offline        60  kvserve bench offline: a profile of decode steps (launches per layer, GPU busy; eager
+#                      on 8 pytest-xdist workers (Triton's compiles, ptxas processes, are most of their time);
+#                      only the files that hold one are collected (others import what the GPU machine lacks:
+#                      openai, jsonschema)
+#   random-model   17  a random Qwen2-0.5B (24 layers, bf16) in /tmp/qwen2-0.5b
+#   offline       100  kvserve bench offline: a profile of decode steps (launches per layer, GPU busy; eager
 #                      and CUDA graphs), then batches of 1, 64, 256 prompts of 128 tokens, 128 new tokens
 #                      each: the engine against transformers' static cache + torch.compile (which
 #                      compiles per batch size, so batch 256 runs the engine alone, as in issue 8's table);
 #                      each batch's "bound by" line (engine/step_diagnosis.py against the H200's table peaks)
-#   nixl           20  kvserve bench transfer: a 2,048-token KV of that model, VRAM to VRAM between two NIXL
+#   nixl           18  kvserve bench transfer: a 2,048-token KV of that model, VRAM to VRAM between two NIXL
 #                      agents (UCX: cuda_ipc or NVLink on one GPU), and over the grpc transport (on
 #                      2026-12-04 the PyPI wheel's UCX took VRAM for host memory: nixl is then reported as
 #                      not measured, and grpc still is)
-#   nano-vllm      25  nano-vllm's workload (128 requests, 100-1,024 tokens in and out), the engine alone
-#   cluster        45  kvserve bench serve --device cuda: TTFT/TPOT of a 1P+1D cluster on this GPU against the
-#                      offline engine, and the KV hand-off of a 2,048-token prompt
-#   spec           30  kvserve bench offline --speculative ngram on that random model (token-id copy prompts; its
+#   nano-vllm      30  nano-vllm's workload (128 requests, 100-1,024 tokens in and out), the engine alone
+#   cluster        65  kvserve bench serve --device cuda: TTFT/TPOT of a 1P+1D cluster on this GPU against the
+#                      offline engine, the KV hand-off of a 2,048-token prompt, and the cuda_ipc stores
+#                      of that KV from another process (kvserve bench cuda_ipc) against a plain device copy
+#   spec           27  kvserve bench offline --speculative ngram on that random model (token-id copy prompts; its
 #                      random weights seldom copy, so this is mostly the verify step's cost on a GPU; verify
 #                      steps run eagerly: their query lengths vary with each sequence's proposals)
-#   tiers          20  kvserve bench tiers --bandwidth-only: the host KV tier's store (device -> pinned host)
+#   tiers          18  kvserve bench tiers --bandwidth-only: the host KV tier's store (device -> pinned host)
 #                      and load (back) GB/s for 16, 128, 1,024 blocks of that model, against a plain copy
-#   sampling       25  kvserve bench sampling on that model: decode TPOT with logprobs=5, penalties, logit_bias
+#   sampling       24  kvserve bench sampling on that model: decode TPOT with logprobs=5, penalties, logit_bias
 #                      + min_p against plain decoding, batches of 1 and 16 (the fused sampler's overheads)
-#   moe-model      20  a random Qwen3-30B-A3B (its width, 128 experts, 8 per token) in 2 layers, bf16
+#   moe-model      17  a random Qwen3-30B-A3B (its width, 128 experts, 8 per token) in 2 layers, bf16
 #   moe-offline    35  kvserve bench offline on it against transformers' generate (8 prompts of 32-128 tokens,
 #                      32 new tokens each): the grouped-GEMM experts (torch._grouped_mm) and their decode
 #                      graphs on the GPU, tokens/s and identical greedy outputs
@@ -57,7 +57,8 @@ if [ "$smoke" = 1 ]; then
 else
     model=/tmp/qwen2-0.5b
     batch_sizes=1,64,256 prompt_len=128 max_tokens=128 profile_batch=64 profile_steps=5 nano_requests=128
-    nano_lengths=100,1024 device=cuda transfer_tokens=2048 tier_blocks=16,128,1024 gpu_tests=tests spec_tokens=32 test_workers=4
+    nano_lengths=100,1024 device=cuda transfer_tokens=2048 tier_blocks=16,128,1024 spec_tokens=32 test_workers=8
+    gpu_tests=$(grep -rlE 'mark\.gpu' tests --include='test_*.py' | sort)  # (the files that hold a gpu test)
     moe_model=/tmp/qwen3-30b-a3b moe_prompts=8 moe_tokens=32 sampling_rounds=1 sampling_tokens=32
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || { echo "carry .whl (bash scripts/gpu_wheels.sh)"; exit 1; }
@@ -106,24 +107,23 @@ step() {  # step NAME SECONDS [--smoke-parse] -m MODULE ARGS...
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   "$py" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
 } 2>&1 | tee "$out/machine.txt"
-step kernels-bench 40 -m kvserve.bench.kernels --sweep-only
-step gpu-tests 170 -m pytest -q -rs -m gpu -p no:cacheprovider -n "$test_workers" --dist loadgroup \
+step kernels-bench 42 -m kvserve.bench.kernels --sweep-only
+step gpu-tests 130 -m pytest -q -rs -m gpu -p no:cacheprovider -n "$test_workers" --dist loadgroup \
     --continue-on-collection-errors $gpu_tests
-step cuda-ipc 15 -m kvserve.bench.cuda_ipc
-step random-model 20 --smoke-parse -m kvserve.cli model random --like qwen2-0.5b --out "$model" --dtype bfloat16
-step offline 60 -m kvserve.bench.offline --model "$model" --baseline hf-static --batch-sizes "$batch_sizes" \
+step random-model 17 --smoke-parse -m kvserve.cli model random --like qwen2-0.5b --out "$model" --dtype bfloat16
+step offline 100 -m kvserve.bench.offline --model "$model" --baseline hf-static --batch-sizes "$batch_sizes" \
     --baseline-max-batch 64 --prompt-len "$prompt_len" --max-tokens "$max_tokens" --profile \
     --profile-batch "$profile_batch" --profile-steps "$profile_steps"
-step nixl 20 --smoke-parse -m kvserve.bench.transfer --device "$device" --model "$model" --tokens "$transfer_tokens" --repeats 3
-step nano-vllm 25 -m kvserve.bench.offline --model "$model" --baseline none --workload nano-vllm \
+step nixl 18 --smoke-parse -m kvserve.bench.transfer --device "$device" --model "$model" --tokens "$transfer_tokens" --repeats 3
+step nano-vllm 30 -m kvserve.bench.offline --model "$model" --baseline none --workload nano-vllm \
     --nano-requests "$nano_requests" --nano-lengths "$nano_lengths"
-step cluster 45 --smoke-parse -m kvserve.bench.serve --device cuda --model "$model"
-step spec 30 -m kvserve.bench.offline --speculative ngram --model "$model" --max-tokens "$spec_tokens" \
+step cluster 65 --smoke-parse -m kvserve.bench.serve --device cuda --model "$model"
+step spec 27 -m kvserve.bench.offline --speculative ngram --model "$model" --max-tokens "$spec_tokens" \
     --spec-rounds 1
-step tiers 20 -m kvserve.bench.tiers --bandwidth-only --device "$device" --model "$model" --blocks "$tier_blocks"
-step sampling 25 -m kvserve.bench.sampling --model "$model" --batch-sizes "1,16" --max-tokens "$sampling_tokens" \
+step tiers 18 -m kvserve.bench.tiers --bandwidth-only --device "$device" --model "$model" --blocks "$tier_blocks"
+step sampling 24 -m kvserve.bench.sampling --model "$model" --batch-sizes "1,16" --max-tokens "$sampling_tokens" \
     --rounds "$sampling_rounds"
-step moe-model 20 --smoke-parse -m kvserve.cli model random --like qwen3-30b-a3b --layers 2 --out "$moe_model" \
+step moe-model 17 --smoke-parse -m kvserve.cli model random --like qwen3-30b-a3b --layers 2 --out "$moe_model" \
     --dtype bfloat16
 step moe-offline 35 -m kvserve.bench.offline --model "$moe_model" --num-prompts "$moe_prompts" --min-len 32 \
     --max-len 128 --max-tokens "$moe_tokens" --profile-batch "$moe_prompts" --profile-steps 4

@@ -30,7 +30,7 @@ def test_script_is_valid_bash():
 
 def test_step_limits_fit_one_device_call():
     names = [name for name, _ in STEPS]
-    assert names == ["kernels-bench", "gpu-tests", "cuda-ipc", "random-model", "offline", "nixl", "nano-vllm",
+    assert names == ["kernels-bench", "gpu-tests", "random-model", "offline", "nixl", "nano-vllm",
                      "cluster", "spec", "tiers", "sampling", "moe-model", "moe-offline"]
     assert sum(int(seconds) for _, seconds in STEPS) <= DEVICE_STEPS_BUDGET_S
 

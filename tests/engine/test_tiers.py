@@ -288,7 +288,8 @@ def test_on_a_gpu_blocks_cross_the_copy_stream_byte_exact_behind_the_compute_str
     original = KVCache(spec, 64, cuda, buffer=expected)
     for want, have in zip(original.layers, KVCache(spec, 64, cuda, buffer=got).layers, strict=True):
         assert torch.equal(want.k_cache[blocks].view(torch.uint8), have.k_cache[blocks].view(torch.uint8))
-        assert torch.equal(want.v_scale[blocks], have.v_scale[blocks])
+        # as bytes: random bytes read as floats hold NaNs, which torch.equal never finds equal
+        assert torch.equal(want.v_scale[blocks].view(torch.uint8), have.v_scale[blocks].view(torch.uint8))
 
 
 @pytest.mark.gpu
@@ -300,11 +301,13 @@ def test_on_a_gpu_host_tier_hits_and_swaps_give_the_tokens_of_a_pool_that_holds_
     model = write_random_model(tmp_path / "qwen2", "qwen2-0.5b", num_layers=4, device="cuda")
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 150000) for _ in range(200)] for _ in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     common = {"device": "cuda", "skip_tokenizer_init": True, "block_size": 16}
     want = [o.token_ids for o in LLM(str(model), num_blocks=256, **common).generate(prompts, params)]
     small = LLM(str(model), num_blocks=30, host_kv_cache_gb=0.25, preemption_mode="swap", **common)
-    assert [o.token_ids for o in small.generate(prompts, params)] == want  # 4 x 15 blocks in 30: swaps
+    # two sequences of 13 blocks fit the 30-block pool; growing to 18 each, one of them must be swapped out
+    # (with 40 new tokens they grew to 15 each, filled the pool exactly, and nothing was swapped: the H200 run)
+    assert [o.token_ids for o in small.generate(prompts, params)] == want
     again = _outputs(small, prompts, params)  # one at a time: evicted prefixes come back from the host tier
     assert [o.token_ids for o in again] == want
     stats = small.engine.tiers.stats
