@@ -267,7 +267,8 @@ def test_the_host_tier_is_on_by_default_at_twice_the_pool_within_the_hosts_memor
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("slots", [[0, 1, 2, 9, 10], [20, 3, 17, 11, 29]], ids=["two-runs", "scattered"])
-def test_on_a_gpu_blocks_cross_the_copy_stream_byte_exact_behind_the_compute_stream(slots):
+def test_on_a_gpu_blocks_cross_the_copy_stream_byte_exact_behind_the_compute_stream(slots, monkeypatch):
+    monkeypatch.setattr(block_copier, "_DIRECT_MIN_BYTES", 0)  # two runs: straight into the slots, however few
     spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16,
                        kv_cache_dtype="int8_v")  # fmt: skip
     cuda = torch.device("cuda")
