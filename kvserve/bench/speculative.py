@@ -21,9 +21,10 @@ round runs both). Workloads:
 
 Reported per workload: output tokens/s of each side (median over rounds) and their ratio, the acceptance
 rate, the mean accepted length (proposals accepted per verify step), and that both sides produced the same
-tokens. Targets (issue "Speculative decoding"): copy batch 1 >= 1.5x, random text (both sampled
-workloads) >= 0.95x. ``--only NAME``
-runs the workloads whose name starts with NAME.
+tokens; where a greedy workload's tokens differ, the first difference and how far apart the plain side's top two
+candidates were there (logprobs, one more plain run): a near tie that the verify step's other kernel rounds
+the other way in bf16, or a real disagreement. Targets (issue "Speculative decoding"): copy batch 1 >= 1.5x,
+random text (both sampled workloads) >= 0.95x. ``--only NAME`` runs the workloads whose name starts with NAME.
 """
 
 from __future__ import annotations
@@ -82,6 +83,26 @@ def _timed(llm, prompts, params, batch: int) -> tuple[float, int, list[list[int]
     return time.perf_counter() - start, tokens, outs
 
 
+def first_difference(llm, prompts: list, plain: list[list[int]], ngram: list[list[int]]) -> str | None:
+    """Where the two sides' greedy outputs first differ, with the plain side's two best candidates there and
+    their log-probability gap (``llm`` is the plain engine, asked again with ``logprobs=2``); None if equal."""
+    from engine import SamplingParams
+
+    for i, (a, b) in enumerate(zip(plain, ngram, strict=True)):
+        if a == b:
+            continue
+        at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        if at == min(len(a), len(b)):
+            return f"request {i}: one side stopped at token {at}, the other went on"
+        again = llm.generate([prompts[i]], SamplingParams(temperature=0, max_tokens=at + 1, ignore_eos=True,
+                                                          logprobs=2))[0]  # fmt: skip
+        (first, lp1), (second, lp2) = again.logprobs[at].top[:2]
+        same_prefix = "" if again.token_ids[:at] == a[:at] else " (this rerun's own tokens differ before it)"
+        return (f"request {i}, token {at}: plain {a[at]}, ngram {b[at]}; plain's two best there {first} "
+                f"({lp1:.4f}) and {second} ({lp2:.4f}), {lp1 - lp2:.4f} nats apart{same_prefix}")
+    return None
+
+
 def run(model: str, k: int, max_tokens: int, rounds: int, only: str | None = None) -> dict:
     from engine import LLM, SamplingParams
     from engine.bundled import resolve_model
@@ -119,6 +140,9 @@ def run(model: str, k: int, max_tokens: int, rounds: int, only: str | None = Non
                      "proposed": proposed, "acceptance rate": accepted / proposed if proposed else 0.0,
                      "mean accepted length": accepted / steps if steps else 0.0,
                      "same tokens": outputs["plain"] == outputs["ngram"]})  # fmt: skip
+        if not rows[-1]["same tokens"] and params[0].temperature == 0:
+            rows[-1]["first difference"] = first_difference(engines["plain"], prompts, outputs["plain"],
+                                                            outputs["ngram"])  # fmt: skip
     return {"k": k, "max_tokens": max_tokens, "rounds": rounds, "rows": rows}
 
 
@@ -135,12 +159,14 @@ def main(argv: list[str] | None = None) -> None:
     result = run(args.model, args.spec_tokens, args.max_tokens, args.spec_rounds, args.only)
     print(f"speculative decoding, n-gram k={result['k']}, {result['max_tokens']} tokens per request, "
           f"median of {result['rounds']} alternating rounds")  # fmt: skip
-    header = list(result["rows"][0])
+    header = [name for name in result["rows"][0] if name != "first difference"]
     print(report.table(header, [[row[name] for name in header] for row in result["rows"]]))
     for row in result["rows"]:
         print(f"{row['workload']}: ngram is {row['ratio']:.2f}x plain, acceptance {row['acceptance rate']:.0%}, "
               f"{row['mean accepted length']:.2f} tokens accepted per verify step, "
               f"same tokens: {row['same tokens']}")  # fmt: skip
+        if row.get("first difference"):
+            print(f"    first difference: {row['first difference']}")
     if args.save_result:
         report.save_json(args.save_result, result)
 
