@@ -45,6 +45,15 @@ class EngineConfig(ModelSettings):
         "auto", description="weights' and activations' dtype; auto: float32 on CPU, bfloat16 on CUDA"
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when torch sees one")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks the model is split across by heads, MLP width and vocabulary, each a process of its "
+        "own (on CUDA one GPU each; on a CPU sharing the cores); at most the model's KV heads; 1: none",
+    )
+    tensor_parallel_timeout_s: float = Field(
+        60.0, gt=0, description="seconds a rank may take to join, and a collective may wait, before the engine fails"
+    )
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     num_blocks: int | None = Field(
         None, ge=1, description="KV blocks in the pool; none: as many as the byte budget holds"

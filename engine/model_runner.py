@@ -28,12 +28,14 @@ from engine.memory import default_kv_bytes
 from engine.model_config import ModelConfig
 from engine.models.linear import pack_for_onednn
 from engine.models.loader import load_model
+from engine.models.tensor_parallel import Shard
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.step_diagnosis import DeviceClock
+from engine.tensor_parallel_ranks import Ranks, ShardedModel, kv_spec
 from kvkernels import cpu_decode
-from kvstore import KVCache, KVCacheSpec
+from kvstore import KVCache
 from kvstore.private_dir import private_dir
 from kvstore.ring import RingSpec
 from kvstore.shared_pool import create_shared_pool
@@ -64,15 +66,20 @@ class ModelRunner:
         self.dtype = config.torch_dtype(self.device)
         self.model_config = model_config
         self.block_size = config.block_size
-        self.model = load_model(model_path, model_config, self.dtype, self.device)
-        self.kv_spec = KVCacheSpec(
-            num_layers=model_config.num_layers,
-            num_kv_heads=model_config.num_kv_heads,
-            head_dim=model_config.head_dim,
-            block_size=config.block_size,
-            dtype=self.dtype,
-            kv_cache_dtype=config.kv_cache_dtype,
-        )
+        # tensor parallel: this process is rank 0, the others start now and load their parts beside it
+        self.ranks, shard, local = None, None, model_config
+        if config.tensor_parallel_size > 1:
+            shard = Shard.of(model_config, 0, config.tensor_parallel_size)  # (refuses a size the model cannot take)
+            _check_tensor_parallel(config, self.device)
+            self.ranks = Ranks(model_path, model_config, config, self.dtype, self.device)
+            local = shard.config()
+        try:
+            self.model = load_model(model_path, model_config, self.dtype, self.device, shard,
+                                    self.ranks.group if self.ranks is not None else None)  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+        self.kv_spec = kv_spec(local, config, self.dtype)  # (a rank's: its KV heads)
         num_blocks = config.num_blocks
         if num_blocks is None:
             budget = default_kv_bytes(config, self.device)
@@ -86,6 +93,8 @@ class ModelRunner:
             self.kv_cache, self.kv_pool_path = create_shared_pool(self.kv_spec, num_blocks, config.shared_kv_name)
         else:
             self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
+        if self.ranks is not None:
+            self.ranks.allocate(num_blocks)
         if self.device.type == "cpu":
             packed = pack_for_onednn(self.model)
             if packed:
@@ -93,8 +102,10 @@ class ModelRunner:
             if self.kv_cache.layers[0].k_cache.dtype == torch.float32 and not kvkernels.use_triton(self.device):
                 kernel = "a C kernel (kvkernels.cpu_decode)" if prepare_cpu_decode() else "the PyTorch reference"
                 log.info("decode attention on the CPU: %s", kernel)
-        if config.compile_decode and self.device.type == "cpu":  # (on a GPU the decode CUDA graphs do this work)
+        if config.compile_decode and self.device.type == "cpu" and self.ranks is None:  # (a GPU's CUDA graphs)
             self.model.compile_decode(self.kv_cache.layers)
+        if self.ranks is not None:
+            self.model = ShardedModel(self.model, shard, self.ranks)
         self.sampler = Sampler(model_config.vocab_size, self.device, config.seed, eos_token_ids)
         self.scores = scores
         # times the device's parts of each step: the forward with its logits, the sampler (``engine.step_diagnosis``)
@@ -118,15 +129,18 @@ class ModelRunner:
             buckets = decode_buckets(config.max_num_seqs, config.max_num_batched_tokens)
             max_blocks_per_seq = -(-self.max_model_len // config.block_size)
             self.decode_inputs = PaddedDecodeInputs(buckets, max_blocks_per_seq, self.device)
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and self.ranks is None:  # (tensor parallel: eager, for now)
                 with torch.inference_mode():
                     self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.decode_inputs, self.device)
 
     def close(self) -> None:
         """Remove the shared-memory file of the pool, if there is one (mappings stay valid until dropped)."""
-        if self.kv_pool_path is not None:
+        if getattr(self, "kv_pool_path", None) is not None:
             self.kv_pool_path.unlink(missing_ok=True)
             self.kv_pool_path = None
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
     @property
     def num_blocks(self) -> int:
@@ -228,6 +242,20 @@ class ModelRunner:
 
     def _pinned_tokens(self, size: int) -> torch.Tensor:
         return torch.empty(size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+
+
+def _check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
+    """Refuse, naming the options, what tensor parallelism does not run with yet (each rank's KV would have to
+    move too): a shared-memory pool (the workers' hand-off) and an explicit host tier; more ranks than GPUs."""
+    size = config.tensor_parallel_size
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; this machine has {torch.cuda.device_count()}")
+    if config.shared_kv_name:
+        raise ValueError(f"tensor_parallel_size={size} with a shared KV pool (a worker's KV hand-off) is not "
+                         "supported yet: run workers with tensor_parallel_size 1")  # fmt: skip
+    if config.host_kv_cache_gb or config.disk_kv_cache_dir:
+        raise ValueError(f"tensor_parallel_size={size} with a host or disk KV tier is not supported yet: "
+                         "set host_kv_cache_gb 0 (unset, it is off under tensor parallelism)")  # fmt: skip
 
 
 def prepare_cpu_decode() -> bool:

@@ -283,6 +283,8 @@ def build_tiers(config, spec, device: torch.device, block_manager: BlockManager,
     """The engine's memory tiers as its config asks, or None (no host tier); ValueError for a bad config."""
     if config.disk_kv_cache_gb and not config.disk_kv_cache_dir:
         raise ValueError("disk_kv_cache_gb is set but disk_kv_cache_dir is not: name the directory for the disk tier")
+    if config.tensor_parallel_size > 1:  # (each rank's KV would move too: not yet; the runner refused a set size)
+        return None
     block = spec.bytes_per_block()
     nbytes = _host_tier_bytes(config.host_kv_cache_gb, spec.total_bytes(block_manager.num_blocks), block)
     if not nbytes:

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from engine.model_config import ModelConfig
 from engine.models.model import CausalLM
 from engine.models.rotary import rotary_embeddings
+from engine.models.tensor_parallel import Group, Shard
 
 # a checkpoint tensor that fills part of a fused parameter: its name's pattern (groups: module, expert or "",
 # part) -> the parameter's name
@@ -47,10 +48,14 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Build the model on ``device`` in ``dtype`` and fill every parameter from the checkpoint."""
+def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+               shard: Shard | None = None, group: Group | None = None) -> CausalLM:  # fmt: skip
+    """Build the model on ``device`` in ``dtype`` and fill every parameter from the checkpoint; with ``shard``,
+    this tensor-parallel rank's part only (``shard.cut`` of each tensor: a rank never holds the whole)."""
+    if shard is not None:
+        config = shard.config()
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, group, shard.vocab[0] if shard is not None else 0)
     # Storage without initial values, every float tensor in ``dtype``. (``Module.to_empty`` does the same through
     # the meta device's reference ops, which import sympy: 0.4-0.8 s of every worker's start.)
     model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
@@ -70,7 +75,7 @@ def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
                 slices = _part_slices(target, config)
                 if part and part not in slices:  # (an expert past the model's)
                     raise ValueError(f"checkpoint tensor {name!r} has no place in a {config.architecture} model")
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(name) if shard is None else shard.cut(name, f.get_tensor(name))
                 if config.norm_weight_offset and name.endswith("norm.weight"):
                     tensor = tensor.float() + config.norm_weight_offset
                 _copy_into(params[target][slices[part] if part else ()], tensor, name, config)

@@ -40,6 +40,7 @@ from engine.models.compiled_decode import CompiledDecode, dense, head_logits
 from engine.models.linear import Linear
 from engine.models.moe import SparseMoE
 from engine.models.rotary import rotary_embeddings
+from engine.models.tensor_parallel import Group, all_reduce, vocab_embedding
 from kvstore import LayerKV
 
 
@@ -59,8 +60,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, group: Group | None = None) -> None:
         super().__init__()
+        self.group = group  # tensor parallel: this rank's heads (``config``'s), o_proj's sums all-reduced
         # which layers attend over a batch's windows (``AttentionMetadata.ring``): all of them, except in a
         # model that slides in some layers only (the others see every key)
         self.windowed = config.sliding_window is None or layer in config.sliding_window_layers
@@ -94,7 +96,7 @@ class Attention(nn.Module):
         if meta.ring is not None and self.windowed and q_sink is None:
             q_sink = q  # no sinks in this batch: the kernels score none with it
         out = paged_attention(q, k, v, kv, meta, self.scale, q_sink)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return all_reduce(self.group, self.o_proj(out.reshape(tokens, self.q_size)))
 
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE of q and k, of each head's leading ``rotary_dim`` dims only under partial rotary."""
@@ -109,8 +111,9 @@ class MLP(nn.Module):
     """A gated MLP: down(act(gate(x)) * up(x)), with gate and up fused into one matmul; act is SiLU
     (SwiGLU) or, for Gemma, GELU with the tanh approximation."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, group: Group | None = None) -> None:
         super().__init__()
+        self.group = group  # tensor parallel: this rank's slice of the intermediate, down's sums all-reduced
         self.intermediate = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=config.mlp_bias)
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=config.mlp_bias)
@@ -120,16 +123,16 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)  # (tokens, 2 * intermediate)
         if self.gelu:
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        return self.down_proj(kvkernels.silu_and_mul(gate_up))
+            return all_reduce(self.group, self.down_proj(F.gelu(gate, approximate="tanh") * up))
+        return all_reduce(self.group, self.down_proj(kvkernels.silu_and_mul(gate_up)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, group: Group | None = None) -> None:
         super().__init__()
         self.rope = "local" if layer in config.local_rope_layers else "global"  # which table turns q and k
-        self.self_attn = Attention(config, layer)
-        self.mlp = SparseMoE(config) if layer in config.moe_layers else MLP(config)
+        self.self_attn = Attention(config, layer, group)
+        self.mlp = SparseMoE(config, group) if layer in config.moe_layers else MLP(config, group)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
@@ -164,21 +167,26 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Parameter names follow Hugging Face's (``model.layers.N...``) so checkpoints load by name."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, group: Group | None = None) -> None:
         super().__init__()
         # uninitialised: the loader fills every parameter from the checkpoint. Initialising it (``normal_``) on
         # the meta device the loader builds on would import torch._dynamo: ~2 s of CPU at every process start
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))  # fmt: skip
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, group) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """``config``: the shape of what this process holds (under tensor parallelism a rank's part, from
+    ``tensor_parallel.Shard.config``, with ``group`` its ranks and ``vocab_start`` its vocabulary slice's
+    first token; its logits are then that slice's)."""
+
+    def __init__(self, config: ModelConfig, group: Group | None = None, vocab_start: int = 0) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.group, self.vocab_start = group, vocab_start
+        self.model = DecoderModel(config, group)
         self.ropes = rotary_embeddings(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -189,7 +197,7 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_layers: list[LayerKV], meta: AttentionMetadata
     ) -> torch.Tensor:
         """``input_ids``/``positions`` ``(tokens,)`` -> final hidden states ``(tokens, hidden)``."""
-        x = self.model.embed_tokens(input_ids)  # (tokens, hidden)
+        x = vocab_embedding(self.group, self.model.embed_tokens.weight, input_ids, self.vocab_start)  # (tokens, hidden)
         if self.config.embed_scale is not None:  # the scale rounded to the dtype first, as transformers does
             x = x * torch.tensor(self.config.embed_scale).to(x.dtype).item()
         rotations = {kind: self._rotation(rope, positions, meta) for kind, rope in self.ropes.items()}

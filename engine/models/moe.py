@@ -24,6 +24,7 @@ from torch import nn
 
 import kvkernels
 from engine.model_config import ModelConfig
+from engine.models.tensor_parallel import Group, all_reduce
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,8 +58,9 @@ class Experts(nn.Module):
 class SparseMoE(nn.Module):
     """Qwen3-MoE's MLP: ``num_experts_per_tok`` of ``num_experts`` SwiGLU experts per token, weighted."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, group: Group | None = None) -> None:
         super().__init__()
+        self.group = group  # tensor parallel: every expert's slice of its intermediate, the sums all-reduced
         self.top_k, self.normalize = config.num_experts_per_tok, config.norm_topk_prob
         self.num_experts = config.num_experts
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # the router
@@ -79,4 +81,4 @@ class SparseMoE(nn.Module):
         out = by_choice[:, 0]
         for choice in range(1, self.top_k):  # k adds (not a loop over experts), in ascending expert order
             out = out + by_choice[:, choice]
-        return out
+        return all_reduce(self.group, out)

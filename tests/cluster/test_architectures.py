@@ -110,6 +110,24 @@ def test_greedy_equals_transformers_batched_unbatched_and_from_the_prefix_cache(
     assert out.token_ids == hf_generate(model, sharing)
 
 
+def test_two_tensor_parallel_ranks_give_one_devices_greedy_tokens(family):
+    """Each family split over two ranks (gloo): one KV head and half the query heads, MLP width (every expert's,
+    for Qwen3-MoE) and vocabulary each; the tokens and logprobs of one device (``tensor_parallel_testing``)."""
+    from tensor_parallel_testing import assert_same_greedy
+
+    _, path, _ = family
+    prompts = [_prompt(5, 1), _prompt(23, 2), _prompt(41, 3)]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    common = dict(skip_tokenizer_init=True, block_size=BLOCK, num_blocks=128, max_num_batched_tokens=32)
+    single = LLM(str(path), **common).generate(prompts, params)
+    split = LLM(str(path), tensor_parallel_size=2, **common)
+    try:
+        assert split.engine.runner.kv_spec.num_kv_heads == 1
+        assert not assert_same_greedy(single, split.generate(prompts, params))
+    finally:
+        split.engine.close()
+
+
 def test_phi3_longrope_switches_to_its_long_factors_where_transformers_does(tmp_path):
     """transformers turns positions from original_max_position_embeddings on with the long factors; a sequence
     that crosses it mid-answer (prompt 20, original 32) gets its tokens. (Past that length transformers also

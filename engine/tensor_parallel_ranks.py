@@ -1,0 +1,209 @@
+"""The ranks of a tensor-parallel engine (``tensor_parallel_size`` > 1), as vLLM v1's engine core drives its
+workers: rank 0 is the engine's own process (scheduler, block tables, sampling, everything above the model)
+and ranks 1.. are processes it starts, each holding its part of the weights (``engine.models.tensor_parallel``)
+and of the KV pool: its KV heads of the same blocks, so that one block table serves every rank.
+
+Rank 0's model is a ``ShardedModel``: each call the runner makes on it is first sent to every rank down its
+standard input (a step's inputs and attention metadata for a forward pass; the hidden rows for the LM head),
+then run on rank 0's part; the collectives inside (two all-reduces a layer, the logits' gather) pair the ranks up.
+Nothing but the plans crosses the pipes, and nothing but sums and logits the process group (gloo on the CPU,
+NCCL on CUDA, one GPU per rank).
+
+Failure: a rank that cannot join the group within ``tensor_parallel_timeout_s`` fails the engine's start; a
+collective that waits longer than that (a rank hung or gone) raises in the step; a rank whose engine process
+is gone exits (its standard input ends).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
+from engine.models.attention import AttentionMetadata, RingMetadata
+from engine.models.linear import pack_for_onednn
+from engine.models.loader import load_model
+from engine.models.model import CausalLM
+from engine.models.tensor_parallel import Group, Shard, gather_logits
+from kvstore import KVCache, KVCacheSpec
+
+log = logging.getLogger(__name__)
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join(rank: int, size: int, port: int, device: torch.device, timeout_s: float) -> Group:
+    """This process as rank ``rank`` of the group that meets at 127.0.0.1:``port``."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timeout)
+    if device.type == "cuda":
+        return Group(rank, size, dist.ProcessGroupNCCL(store, rank, size, timeout=timeout))
+    return Group(rank, size, dist.ProcessGroupGloo(store, rank, size, timeout))
+
+
+def kv_spec(config: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> KVCacheSpec:
+    """The KV pool's layout for a model of shape ``config`` (under tensor parallelism, a rank's)."""
+    return KVCacheSpec(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                       block_size=engine.block_size, dtype=dtype, kv_cache_dtype=engine.kv_cache_dtype)  # fmt: skip
+
+
+# -- plans: what crosses the pipes (host arrays, not tensors: a tensor would travel as a shared-memory file) --
+
+
+def _to_host(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.cpu().numpy())
+    if isinstance(value, (AttentionMetadata, RingMetadata)):
+        return ("meta", type(value).__name__, {f.name: _to_host(getattr(value, f.name))
+                                               for f in dataclasses.fields(value)})  # fmt: skip
+    return ("value", value)
+
+
+def _from_host(value, device: torch.device):
+    if value[0] == "tensor":
+        return torch.from_numpy(value[1]).to(device)
+    if value[0] == "meta":
+        kind = {"AttentionMetadata": AttentionMetadata, "RingMetadata": RingMetadata}[value[1]]
+        return kind(**{name: _from_host(v, device) for name, v in value[2].items()})
+    return value[1]
+
+
+# -- rank 0 ------------------------------------------------------------------------------------------------
+
+
+class Ranks:
+    """Rank 0's handle on ranks 1..size-1: started at construction (they load their parts of the weights while
+    rank 0 loads its own), given the pool's size by ``allocate``, sent plans by ``send``, stopped by ``close``.
+    Each is a new Python running ``_RANK_MAIN`` (not a fork: CUDA and OpenMP state do not survive one;
+    not multiprocessing's spawn, which runs the caller's main module again), its plans pickled down its stdin."""
+
+    def __init__(self, path: Path, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:  # fmt: skip
+        self.size = config.tensor_parallel_size
+        port = _free_port()
+        threads = max(1, torch.get_num_threads() // self.size) if device.type == "cpu" else 1
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # (this process's imports)
+        self._processes: list[subprocess.Popen] = []
+        for rank in range(1, self.size):
+            process = subprocess.Popen([sys.executable, "-c", _RANK_MAIN], stdin=subprocess.PIPE, env=env)
+            self._processes.append(process)
+            self._write(process, (path, model_config, config, rank, port, threads))
+        if device.type == "cpu":
+            torch.set_num_threads(threads)  # the cores are shared by the ranks: no two busy pools on one
+        try:
+            self.group = _join(0, self.size, port, device, config.tensor_parallel_timeout_s)
+        except Exception as error:
+            self.close()
+            raise RuntimeError(f"tensor_parallel_size={self.size}: the ranks did not join within "
+                               f"{config.tensor_parallel_timeout_s:g} s (tensor_parallel_timeout_s): "
+                               f"{error}") from error  # fmt: skip
+        log.info("tensor parallel: %d ranks (%s), %d threads each", self.size,
+                 "NCCL" if device.type == "cuda" else "gloo", threads)  # fmt: skip
+
+    @staticmethod
+    def _write(process: subprocess.Popen, message) -> None:
+        pickle.dump(message, process.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+        process.stdin.flush()
+
+    def allocate(self, num_blocks: int) -> None:
+        """Every rank allocates its part of a pool of ``num_blocks`` blocks (rank 0 chose the number)."""
+        self.send("allocate", num_blocks)
+
+    def send(self, op: str, payload) -> None:
+        for process in self._processes:
+            if process.poll() is not None:
+                raise RuntimeError(f"tensor parallel rank process {process.pid} exited ({process.returncode}): the "
+                                   "engine cannot run without it")  # fmt: skip
+            self._write(process, (op, payload))
+
+    def close(self) -> None:
+        for process in self._processes:
+            try:
+                self._write(process, ("stop", None))
+                process.stdin.close()
+            except (BrokenPipeError, OSError, ValueError):
+                pass
+        for process in self._processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self._processes = []
+
+
+class ShardedModel:
+    """Rank 0's model under tensor parallelism: what the runner calls is sent to every rank, then run on rank
+    0's part; ``compute_logits`` returns the whole vocabulary's logits, gathered. Anything else (``config``,
+    ``modules``) is rank 0's part's."""
+
+    def __init__(self, part: CausalLM, shard: Shard, ranks: Ranks) -> None:
+        self.part, self.shard, self.ranks = part, shard, ranks
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_layers, meta: AttentionMetadata):
+        self.ranks.send("forward", tuple(_to_host(v) for v in (input_ids, positions, meta)))
+        return self.part(input_ids, positions, kv_layers, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.ranks.send("logits", _to_host(hidden))
+        return gather_logits(self.part.group, self.part.compute_logits(hidden), self.shard)
+
+    def __getattr__(self, name: str):
+        return getattr(self.part, name)
+
+
+# -- ranks 1.. ---------------------------------------------------------------------------------------------
+
+
+def _rank_main(plans, path: Path, model_config: ModelConfig, config: EngineConfig, rank: int, port: int,
+               threads: int) -> None:  # fmt: skip
+    """A rank's process: join the group, load this rank's part, then run the plans read from ``plans`` until
+    told to stop, or until they end (the engine's process is gone)."""
+    device = config.torch_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(threads)
+    dtype = config.torch_dtype(device)
+    size = config.tensor_parallel_size
+    group = _join(rank, size, port, device, config.tensor_parallel_timeout_s)
+    shard = Shard.of(model_config, rank, size)
+    with torch.inference_mode():
+        model = load_model(path, model_config, dtype, device, shard, group)
+        if device.type == "cpu":
+            pack_for_onednn(model)
+        kv = None
+        while True:
+            try:
+                op, payload = pickle.load(plans)
+            except EOFError:
+                return  # the engine is gone
+            if op == "stop":
+                return
+            if op == "allocate":
+                kv = KVCache(kv_spec(shard.config(), config, dtype), payload, device)
+            elif op == "forward":
+                input_ids, positions, meta = (_from_host(v, device) for v in payload)
+                model(input_ids, positions, kv.layers, meta)
+            elif op == "logits":
+                gather_logits(group, model.compute_logits(_from_host(payload, device)), shard)
+
+
+
+_RANK_MAIN = ("import pickle, sys; from engine.tensor_parallel_ranks import _rank_main; "
+              "_rank_main(sys.stdin.buffer, *pickle.load(sys.stdin.buffer))")  # fmt: skip
