@@ -50,8 +50,10 @@ def _join(rank: int, size: int, port: int, device: torch.device, timeout_s: floa
     """This process as rank ``rank`` of the group that meets at 127.0.0.1:``port``."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timeout)
-    if device.type == "cuda":
-        return Group(rank, size, dist.ProcessGroupNCCL(store, rank, size, timeout=timeout))
+    if device.type == "cuda":  # (as torch.distributed builds one: options carry the timeout)
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream, options._timeout = False, timeout
+        return Group(rank, size, dist.ProcessGroupNCCL(store, rank, size, options))
     return Group(rank, size, dist.ProcessGroupGloo(store, rank, size, timeout))
 
 

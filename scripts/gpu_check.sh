@@ -40,6 +40,8 @@
 #   moe-offline    35  kvserve bench offline on it against transformers' generate (8 prompts of 32-128 tokens,
 #                      32 new tokens each): the grouped-GEMM experts (torch._grouped_mm) and their decode
 #                      graphs on the GPU, tokens/s and identical greedy outputs
+#   tp             60  only on a machine of two or more GPUs (outside the 525 s of a one-GPU machine, where it
+#                      prints that it skipped): kvserve bench tp, the model split over 2 GPUs (NCCL) against 1
 # GPU_CHECK_SMOKE=1 (tests/deploy/test_gpu_check_script.py, on a CPU) runs the same command lines with tiny sizes
 # on the model directory GPU_CHECK_MODEL, with $PYTHON and no wheels; a step marked --smoke-parse (it needs
 # CUDA, or minutes of a CPU) then only parses its command line.
@@ -127,3 +129,8 @@ step moe-model 17 --smoke-parse -m kvserve.cli model random --like qwen3-30b-a3b
     --dtype bfloat16
 step moe-offline 35 -m kvserve.bench.offline --model "$moe_model" --num-prompts "$moe_prompts" --min-len 32 \
     --max-len 128 --max-tokens "$moe_tokens" --profile-batch "$moe_prompts" --profile-steps 4
+if [ "$smoke" = 1 ] || [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+    step tp 60 --smoke-parse -m kvserve.bench.tp --model "$model" --batch-sizes "1,64" --rounds 1
+else
+    echo "=== tp: skipped: tensor parallelism needs two or more GPUs, this machine has $(nvidia-smi -L 2>/dev/null | wc -l)"
+fi

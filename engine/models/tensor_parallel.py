@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from dataclasses import dataclass
 
 import torch
@@ -42,19 +43,24 @@ class Group:
 
     def __init__(self, rank: int, size: int, process_group: dist.ProcessGroup) -> None:
         self.rank, self.size, self.process_group = rank, size, process_group
+        self.seconds = 0.0  # spent in collectives so far, waiting for the other ranks included (``bench tp``)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x`` (in place where ``x`` is contiguous)."""
+        began = time.perf_counter()
         x = x.contiguous()
         self.process_group.allreduce([x]).wait()
+        self.seconds += time.perf_counter() - began
         return x
 
     def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's ``x`` (all of one shape), in rank order, on rank 0; None on the others."""
         options = dist.GatherOptions()
         options.rootRank = 0
+        began = time.perf_counter()
         parts = [[torch.empty_like(x) for _ in range(self.size)]] if self.rank == 0 else []
         self.process_group.gather(parts, [x.contiguous()], options).wait()
+        self.seconds += time.perf_counter() - began
         return parts[0] if self.rank == 0 else None
 
 

@@ -16,6 +16,7 @@
 * ``tracing``: what OpenTelemetry tracing costs through a cluster, on and off;
 * ``peer``: ``kvserve up`` against llama.cpp's ``llama-server`` on this host (built once from its sdist), same
   weights and client, at 1 and 16 users;
+* ``tp``: tensor parallelism against one rank on this host: tokens/s and the collectives' share of a step;
 * ``kernels``: the Triton kernels against PyTorch's SDPA on a CUDA GPU, and the decode tile-config sweep
   (``kernel_sweep``, on ``kernel_inputs``).
 
@@ -26,4 +27,4 @@
 
 # module: the name with "_" for "-"
 BENCHES = ("offline", "serve", "transfer", "cuda_ipc", "kv-curve", "tiers", "ring", "load", "kernels", "sampling",
-           "tracing", "peer")
+           "tracing", "peer", "tp")

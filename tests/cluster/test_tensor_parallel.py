@@ -53,3 +53,11 @@ def test_a_killed_rank_fails_the_next_step_instead_of_hanging_it(engine_prompts)
         llm.generate([engine_prompts[0][:8]], PARAMS)
     assert time.monotonic() - began < 25
     llm.engine.close()
+
+
+def test_bench_tp_runs_both_sides_on_the_same_requests():
+    from kvserve.bench.tp import run
+
+    [row] = run("default", 2, [2], prompt_len=8, max_tokens=4, rounds=1)
+    assert row["same tokens"] and row["1 rank tok/s"] > 0 and row["2 ranks tok/s"] > 0
+    assert 0 < row["collectives share"] < 1

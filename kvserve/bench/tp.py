@@ -1,0 +1,85 @@
+"""Tensor parallelism against one rank on this host: ``kvserve bench tp``.
+
+    kvserve bench tp [--model default] [--tp 2] [--batch-sizes 1,16] [--prompt-len 128] [--max-tokens 32]
+        [--rounds 2]
+
+Two engines of the same model in one process: one rank with every core's thread, and ``--tp`` ranks (rank 0
+here, the others processes of their own) with cores / tp threads each, so both sides use the same cores.
+Each round runs both sides on the same greedy requests, alternating which goes first (this machine drifts).
+Reported per batch size: output tokens/s of each side (median over rounds), their ratio, the share of rank
+0's generate time spent in collectives (the all-reduces and the logits' gather, waiting for the slower rank
+included: the bundled model's 3 KV heads split 2 + 1) and whether the tokens were the same. On a CPU this is a
+correctness platform, not a speed claim: the ranks share the memory bandwidth that bounds a decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from kvserve.bench import report
+
+
+def run(model: str, tp: int, batch_sizes: list[int], prompt_len: int, max_tokens: int, rounds: int) -> list[dict]:
+    from engine import LLM, SamplingParams
+
+    cores = torch.get_num_threads()
+    common = dict(num_blocks=max(64, 2 * max(batch_sizes) * -(-(prompt_len + max_tokens) // 16)),
+                  skip_tokenizer_init=True, host_kv_cache_gb=0)  # fmt: skip
+    sides = {"1 rank": LLM(model, **common)}
+    sides[f"{tp} ranks"] = LLM(model, tensor_parallel_size=tp, **common)
+    threads = {"1 rank": cores, f"{tp} ranks": max(1, cores // tp)}
+    group = sides[f"{tp} ranks"].engine.runner.model.part.group
+    vocab = sides["1 rank"].engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    rows = []
+    try:
+        for batch in batch_sizes:
+            rng = random.Random(batch)
+            prompts = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+            speeds, outputs, shares = {side: [] for side in sides}, {}, []
+            for r in range(rounds):
+                for side in list(sides) if r % 2 == 0 else list(reversed(sides)):
+                    torch.set_num_threads(threads[side])  # (the engines share this process's pool)
+                    salted = [[r * 7 + 1, *p] for p in prompts]  # each round misses the prefix cache
+                    before, began = group.seconds, time.perf_counter()
+                    outs = sides[side].generate(salted, params)
+                    seconds = time.perf_counter() - began
+                    speeds[side].append(sum(len(o.token_ids) for o in outs) / seconds)
+                    outputs[side] = [o.token_ids for o in outs]
+                    if side != "1 rank":
+                        shares.append((group.seconds - before) / seconds)
+            one, split = (statistics.median(speeds[side]) for side in sides)
+            rows.append({"batch": batch, "1 rank tok/s": one, f"{tp} ranks tok/s": split, "ratio": split / one,
+                         "collectives share": statistics.median(shares),
+                         "same tokens": outputs["1 rank"] == outputs[f"{tp} ranks"]})  # fmt: skip
+    finally:
+        torch.set_num_threads(cores)
+        for llm in sides.values():
+            llm.engine.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="kvserve bench tp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--tp", type=int, default=2, help="ranks of the split side")
+    parser.add_argument("--batch-sizes", default="1,16")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    rows = run(args.model, args.tp, [int(b) for b in args.batch_sizes.split(",")], args.prompt_len,
+               args.max_tokens, args.rounds)  # fmt: skip
+    print(f"tensor parallel: {args.tp} ranks against 1 on this host ({torch.get_num_threads()} threads in all), "
+          f"{args.prompt_len}-token prompts, {args.max_tokens} new tokens, median of {args.rounds} rounds")  # fmt: skip
+    print(report.table(list(rows[0]), [list(row.values()) for row in rows]))
+
+
+if __name__ == "__main__":
+    main()
