@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import time
 import uuid
@@ -39,7 +40,6 @@ from decode_service.remote_prefill import PoolOffer, RemotePrefillConnector
 from decode_service.request import ActiveRequest, Admission, RequestState, validate_decode_request
 from engine import LLMEngine, RequestOutput
 from engine.outputs import StepError
-from kvstore.layout import fingerprint
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc import tracing
@@ -64,16 +64,20 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         self.engine, self.worker_id, self.address, self.security = engine, worker_id, address, security
         self.compute = compute or ComputeLease(None)  # held around each step (rpc.compute_lease)
         runner = engine.runner
-        self.fingerprint = fingerprint(engine.model_config.architecture, runner.kv_spec)
-        # NIXL: offered when installed; our agent starts on first need, or now when every hand-off uses it
-        if kv_transport == Backend.NIXL and not nixl_installed():
-            raise RuntimeError("--kv-transport nixl needs NIXL: pip install 'kvserve[nixl]'")
+        self.fingerprint = engine.prefix_salt  # the KV layout (a tensor-parallel size above 1 included)
+        # NIXL: offered when installed; our agent starts on first need, or now when every hand-off uses it. Not
+        # under tensor parallelism: this process holds one rank's heads (and a prefill worker of another
+        # layout never reaches the pool: the fingerprints differ)
+        split = engine.config.tensor_parallel_size > 1
+        if kv_transport == Backend.NIXL and (split or not nixl_installed()):
+            raise RuntimeError("--kv-transport nixl needs NIXL (pip install 'kvserve[nixl]') and a worker at "
+                               "--tensor-parallel-size 1")  # fmt: skip
         eager = kv_transport == Backend.NIXL
-        self.nixl = NixlOffer(runner.kv_cache, worker_id, eager) if nixl_installed() else None
+        self.nixl = NixlOffer(runner.kv_cache, worker_id, eager) if nixl_installed() and not split else None
         self.endpoint = Endpoint(local_host_id(), str(runner.device), bool(shm_path),
                                  frozenset([Backend.NIXL] if self.nixl else []))  # fmt: skip
-        pool = PoolOffer(worker_id, address, self.fingerprint, self.endpoint, runner.num_blocks, shm_path,
-                         export_cuda_ipc(runner.kv_cache) if runner.device.type == "cuda" else b"")  # fmt: skip
+        ipc = export_cuda_ipc(runner.kv_cache) if runner.device.type == "cuda" and not split else b""
+        pool = PoolOffer(worker_id, address, self.fingerprint, self.endpoint, runner.num_blocks, shm_path, ipc)
         self.prefills = PrefillClient(aio, security, worker_id, self.fingerprint, registry, prefill_timeout_s,
                                       prefill_ms_per_token)  # fmt: skip
         self.receiver = KVReceiver(runner.kv_cache, self.fingerprint, self.lease_holder)
@@ -173,6 +177,11 @@ class DecodeWorker(pb_grpc.DecodeServicer):
             with self.compute:
                 outputs = self.engine.step()
         except StepError as err:  # fail the requests of that batch; the rest carry on
+            if err.fatal:  # a tensor-parallel rank is lost: no step can run; end as a crash would, so that the
+                # supervisor restarts the worker whole and the router moves its streams to another
+                log.critical("%s: this worker ends, to be restarted with all its ranks", err)
+                logging.shutdown()
+                os._exit(70)
             log.error("engine step failed for %d requests: %s", len(err.request_ids), err)
             for rid in err.request_ids:
                 if (req := self._active.get(rid)) is not None:

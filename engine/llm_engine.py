@@ -76,7 +76,10 @@ class LLMEngine:
         self.requests = RequestValidator(self.config, self.model_config, self.tokenizer, self.max_model_len,
                                          self.runner.num_blocks, self.runner.model_ring)  # fmt: skip
         self.requests.ring_for(SamplingParams())  # the engine's own streaming options fit this model and pool
-        self.prefix_salt = fingerprint(self.model_config.architecture, self.runner.kv_spec)
+        # the KV layout: a tensor-parallel rank's pool holds its heads only, so the size is part of it
+        tp = self.config.tensor_parallel_size
+        split = f"tp={tp}" if tp > 1 else ""
+        self.prefix_salt = fingerprint(self.model_config.architecture, self.runner.kv_spec, split)
         caching, salt = self.config.enable_prefix_caching, self.prefix_salt
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_caching=caching, salt=salt)
         self.tiers = build_tiers(self.config, self.runner.kv_spec, self.runner.device, self.block_manager,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.logprobs import TokenLogprob
+from engine.models.tensor_parallel import RankLost
 from engine.sequence import Sequence
 
 
@@ -66,8 +67,10 @@ class RequestOutput:
 
 class StepError(RuntimeError):
     """A step's model run failed. ``request_ids`` are the requests of that batch: abort them (their KV is
-    suspect); the engine itself stays usable for the others."""
+    suspect); the engine itself stays usable for the others, unless ``fatal``."""
 
     def __init__(self, request_ids: list[str], cause: BaseException) -> None:
         super().__init__(f"model step failed for {len(request_ids)} requests: {type(cause).__name__}: {cause}")
         self.request_ids = request_ids
+        # not this batch's fault but the engine's: a tensor-parallel rank is lost, and no later step can run
+        self.fatal = isinstance(cause, RankLost)

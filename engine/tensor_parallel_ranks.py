@@ -35,7 +35,7 @@ from engine.models.attention import AttentionMetadata, RingMetadata
 from engine.models.linear import pack_for_onednn
 from engine.models.loader import load_model
 from engine.models.model import CausalLM
-from engine.models.tensor_parallel import Group, Shard, gather_logits
+from engine.models.tensor_parallel import Group, RankLost, Shard, gather_logits
 from kvstore import KVCache, KVCacheSpec
 
 log = logging.getLogger(__name__)
@@ -127,10 +127,13 @@ class Ranks:
 
     def send(self, op: str, payload) -> None:
         for process in self._processes:
-            if process.poll() is not None:
-                raise RuntimeError(f"tensor parallel rank process {process.pid} exited ({process.returncode}): the "
-                                   "engine cannot run without it")  # fmt: skip
-            self._write(process, (op, payload))
+            try:
+                if process.poll() is not None:
+                    raise BrokenPipeError(f"it exited ({process.returncode})")
+                self._write(process, (op, payload))
+            except (BrokenPipeError, OSError) as error:
+                raise RankLost(f"tensor parallel rank process {process.pid} is gone ({error}): the engine cannot "
+                               "run without it") from error  # fmt: skip
 
     def close(self) -> None:
         for process in self._processes:

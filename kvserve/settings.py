@@ -5,8 +5,9 @@ Every flag is also the environment variable KVSERVE_<FLAG> (the flag wins). The 
 it shares with its children on by walking their models (``rpc.settings.settings_argv``), not a list of flags:
 
 * every engine option given (flag or ``KVSERVE_*``) goes to every worker, but ``UP_SET_FIELDS``: each
-  worker's share of the GPU comes from ``--prefill/decode-gpu-memory-utilization``, and a worker names its
-  own shared-memory pool;
+  worker's share of the GPU comes from ``--prefill/decode-gpu-memory-utilization``, its tensor-parallel size
+  from ``--prefill-tp``/``--decode-tp`` (else ``--tensor-parallel-size``), and a worker names its own
+  shared-memory pool;
 * the router gets the model's options (``ModelSettings``), ``--max-model-len``, the served names
   (``ServedModelSettings``) and the stream options (``StreamSettings``);
 * the decode workers get ``--kv-transport``;
@@ -37,7 +38,7 @@ from rpc.options import (
 )
 from rpc.settings import fields_of, parse_settings, settings_argv
 
-UP_SET_FIELDS = ("gpu_memory_utilization", "shared_kv_name")
+UP_SET_FIELDS = ("gpu_memory_utilization", "shared_kv_name", "tensor_parallel_size")
 
 
 class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings, ServedModelSettings, ApiKeySettings,
@@ -72,6 +73,17 @@ class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings
         description="internal gRPC over mutual TLS with certificates of a cluster CA made at each start (false: "
         "the cluster token alone)",
     )
+
+    prefill_tp: int | None = Field(
+        None, ge=1, description="tensor_parallel_size of each prefill worker; none: --tensor-parallel-size"
+    )
+    decode_tp: int | None = Field(
+        None, ge=1, description="tensor_parallel_size of each decode worker; none: --tensor-parallel-size"
+    )
+
+    def role_tp(self, role: str) -> int:
+        """The tensor-parallel size of ``role``'s workers."""
+        return getattr(self, f"{role}_tp") or self.tensor_parallel_size
 
     kv_transport: KVTransportChoice = Field(
         None,

@@ -25,6 +25,9 @@ from rpc.worker_options import WORKER_SET_FIELDS
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(PrefillSettings, argv, "python -m prefill_service", __doc__, WORKER_SET_FIELDS,
                               "prefill")  # fmt: skip
+    if settings.tensor_parallel_size > 1:  # (kvserve up refuses it before starting anything)
+        raise SystemExit(f"--tensor-parallel-size {settings.tensor_parallel_size}: a prefill worker split over ranks "
+                         "cannot hand its KV off yet; run prefill workers at 1")  # fmt: skip
     worker_id, security, registry = prepare_worker(settings, "prefill")
     # A prefill worker's requests end after their first token: it never runs a decode step, so capturing
     # decode CUDA graphs would only cost start-up time and GPU memory.

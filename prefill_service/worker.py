@@ -45,7 +45,6 @@ from cluster_state.registry import Registry
 from cluster_state.workers import WorkerInfo, local_host_id
 from engine import LLMEngine
 from engine.kv_connector import TRANSFER_EXPIRED
-from kvstore.layout import fingerprint
 from kvstore.shared_pool import pool_dir
 from prefill_service.destinations import Destinations
 from prefill_service.handoff import Handoff, HandoffConnector
@@ -78,7 +77,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         self.max_wait_s = max_wait_ms / 1000
         runner = engine.runner
         engine.connect(HandoffConnector(runner.kv_cache.layers, engine.config.block_size))
-        self.fingerprint = fingerprint(engine.model_config.architecture, runner.kv_spec)
+        self.fingerprint = engine.prefix_salt  # the KV layout
         self.destinations = Destinations(runner.kv_spec, self.fingerprint, worker_id, security, registry,
                                          runner.device)  # fmt: skip
         self._jobs: queue.Queue[PrefillJob] = queue.Queue()

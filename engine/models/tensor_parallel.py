@@ -38,6 +38,11 @@ import torch.nn.functional as F
 from engine.model_config import ModelConfig
 
 
+class RankLost(RuntimeError):
+    """A tensor-parallel rank is gone, or a collective waited past the timeout: the ranks are out of step, and
+    the engine cannot go on. A worker ends its process on it, to be restarted whole (``StepError.fatal``)."""
+
+
 class Group:
     """A rank's process group (gloo on the CPU, NCCL on CUDA) and the collectives the model makes on it."""
 
@@ -49,7 +54,7 @@ class Group:
         """The sum of every rank's ``x`` (in place where ``x`` is contiguous)."""
         began = time.perf_counter()
         x = x.contiguous()
-        self.process_group.allreduce([x]).wait()
+        _wait(self.process_group.allreduce([x]), "all-reduce")
         self.seconds += time.perf_counter() - began
         return x
 
@@ -59,9 +64,16 @@ class Group:
         options.rootRank = 0
         began = time.perf_counter()
         parts = [[torch.empty_like(x) for _ in range(self.size)]] if self.rank == 0 else []
-        self.process_group.gather(parts, [x.contiguous()], options).wait()
+        _wait(self.process_group.gather(parts, [x.contiguous()], options), "gather")
         self.seconds += time.perf_counter() - began
         return parts[0] if self.rank == 0 else None
+
+
+def _wait(work, what: str) -> None:
+    try:
+        work.wait()
+    except RuntimeError as error:  # (gloo and NCCL: a peer gone, or the timeout)
+        raise RankLost(f"tensor parallel {what} failed: {error}") from error
 
 
 def all_reduce(group: Group | None, x: torch.Tensor) -> torch.Tensor:

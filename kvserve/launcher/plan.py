@@ -9,7 +9,9 @@ cores and the same ``--compute-lease``, held around every engine step (``rpc.com
 nothing to run holds no core and two busy workers never oversubscribe them. With ``--threads`` given, or on a
 GPU host, each gets ``--threads`` (by default its share of the cores) and no lease. Each also gets
 ``--gpu-memory-utilization``, their share of the GPU's total memory, since every worker runs on the same GPU
-(``gpu_memory_shares``; ignored on the CPU). On a CPU host decode workers get ``--compile-decode true`` unless
+(``gpu_memory_shares``; ignored on the CPU), and ``--tensor-parallel-size``, its role's
+(``--prefill-tp``/``--decode-tp``; ``check_tensor_parallel`` refuses what cannot work together yet). On a CPU
+host decode workers get ``--compile-decode true`` unless
 ``kvserve up`` was given ``--compile-decode``: one user's decode steps run compiled (``engine.models.compiled_decode``).
 What the options of ``UpSettings`` become for each child is
 ``kvserve.settings``'s docstring.
@@ -17,8 +19,8 @@ What the options of ``UpSettings`` become for each child is
 With ``--config FILE`` every child gets the file too (``engine.config_file``), and the plan reads each child's
 command line as that child will, file included: a key of any section its process does not know, or a value
 it refuses, ends ``kvserve up`` before anything starts. So does a key that sets what the launcher sets on a
-child's command line itself (``planned``: its host, ports, worker id, threads, drain timeout, GPU share and,
-where set, compiled decode), which the flag would silently override.
+child's command line itself (``planned``: its host, ports, worker id, threads, drain timeout, GPU share,
+tensor-parallel size and, where set, compiled decode), which the flag would silently override.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ def plan_cluster(up: UpSettings, extra: ExtraArgv | None = None, host: str = "12
     shares = gpu_memory_shares(up.prefill_gpu_memory_utilization, up.decode_gpu_memory_utilization, up.prefill,
                                up.decode)  # fmt: skip
     shared_argv, public_argv = split_public_tls(up.security_argv())
+    check_tensor_parallel(up)
     threads, compute_lease = compute_shares(up)
     worker_argv = [*shared_argv, *up.tracing_argv(), *up.engine_argv(), *config_argv(up)]
     children = []
@@ -111,7 +114,7 @@ def plan_cluster(up: UpSettings, extra: ExtraArgv | None = None, host: str = "12
             port, name = up.port + offset + i, f"{role}-{i}"
             planned = {"host": host, "port": port, "worker_id": name, "metrics_port": port + METRICS_PORTS,
                        "threads": threads, "compute_lease": compute_lease, "drain_timeout": up.drain_timeout,
-                       "gpu_memory_utilization": shares[role]}  # fmt: skip
+                       "gpu_memory_utilization": shares[role], "tensor_parallel_size": up.role_tp(role)}  # fmt: skip
             if role == "decode" and up.compile_decode is None and on_cpu_host(up):
                 planned["compile_decode"] = True  # one user's decode steps compiled (engine.models.compiled_decode)
             argv = (sys.executable, "-m", f"{role}_service", *argv_of(planned), *worker_argv, *role_argv)
@@ -124,6 +127,20 @@ def plan_cluster(up: UpSettings, extra: ExtraArgv | None = None, host: str = "12
     if up.config_file is not None:
         check_config_file(up.config_file, children)
     return ClusterPlan(up, host, tuple(children), tuple(public_argv))
+
+
+def check_tensor_parallel(up: UpSettings) -> None:
+    """``ValueError``, naming the options, for tensor-parallel workers that cannot work together yet: a prefill
+    worker's hand-off moves one rank's KV, so prefill workers run at size 1, and a decode worker above size 1
+    takes no prefill worker's KV (``--prefill 0``: it prefills its own prompts)."""
+    prefill_tp, decode_tp = up.role_tp("prefill"), up.role_tp("decode")
+    if up.prefill and prefill_tp > 1:
+        raise ValueError(f"--prefill-tp {prefill_tp}: prefill workers split over ranks cannot hand their KV off yet; "
+                         "run them at 1, or --prefill 0 and split the decode workers (--decode-tp)")  # fmt: skip
+    if up.prefill and up.decode and decode_tp > 1:
+        raise ValueError(f"--decode-tp {decode_tp} with --prefill {up.prefill}: a decode worker split over ranks "
+                         "cannot take a prefill worker's KV yet (their layouts do not map); use --prefill 0, "
+                         "where the decode workers prefill their own prompts")  # fmt: skip
 
 
 def check_config_file(config: ConfigFile, children: list[ChildPlan]) -> None:

@@ -5,7 +5,10 @@ fails the next step instead of hanging it. (Qwen3, Gemma 3, Phi-3 and Qwen3-MoE:
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from pathlib import Path
 
 import pytest
 from tensor_parallel_testing import assert_same_greedy
@@ -61,3 +64,86 @@ def test_bench_tp_runs_both_sides_on_the_same_requests():
     [row] = run("default", 2, [2], prompt_len=8, max_tokens=4, rounds=1)
     assert row["same tokens"] and row["1 rank tok/s"] > 0 and row["2 ranks tok/s"] > 0
     assert 0 < row["collectives share"] < 1
+
+
+def test_kvserve_up_serves_a_decode_worker_split_over_two_ranks(tmp_path, engine_prompts):
+    """``kvserve up --prefill 0 --decode-tp 2``: the decode worker prefills and decodes over its two ranks, and
+    concurrent requests get the offline engine's tokens. Disaggregated with it, it is refused before anything
+    starts (a prefill worker's hand-off moves one rank's KV: not yet)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster_utils import discard
+
+    from kvserve.client import Client
+    from kvserve.launcher.cluster import free_base_port, start_cluster
+    from kvserve.launcher.plan import plan_cluster
+    from kvserve.settings import parse_up
+
+    argv = ["--num-blocks", "128", "--log-dir", str(tmp_path), "--http-port", "0"]
+    with pytest.raises(ValueError, match="--decode-tp 2 with --prefill 1: .* use --prefill 0"):
+        plan_cluster(parse_up([*argv, "--decode-tp", "2"]))
+    with pytest.raises(ValueError, match="--prefill-tp 2: prefill workers split over ranks cannot hand"):
+        plan_cluster(parse_up([*argv, "--prefill-tp", "2", "--prefill", "1", "--decode", "0"]))
+    prompts = [engine_prompts[i][:n] for i, n in ((0, 9), (1, 33), (2, 20), (3, 41), (4, 12), (5, 27))]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.token_ids for o in LLM("default", num_blocks=128).generate(prompts, greedy)]
+    c = start_cluster(parse_up([*argv, "--prefill", "0", "--decode-tp", "2", "--port", str(free_base_port())]))
+    try:
+        with Client(c.endpoint, timeout_s=60) as client, ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda p: client.generate(p, temperature=0, max_tokens=10, ignore_eos=True),
+                                    prompts))  # fmt: skip
+    finally:
+        discard(c)
+    assert [r.token_ids for r in results] == want
+    assert "tensor parallel: 2 ranks (gloo)" in (tmp_path / "decode-0.log").read_text()
+
+
+def _rank_pids(worker_pid: int) -> list[int]:
+    """The tensor-parallel rank processes a worker started (its children running ``_rank_main``)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == worker_pid and b"_rank_main" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_its_worker_which_restarts_whole_while_its_streams_move(tmp_path, llm):
+    """Two decode workers split over two ranks each (``--prefill 0``), under the supervisor and a load of
+    greedy and seeded streams: SIGKILL one worker's rank 1 mid-stream. That worker ends (no half-alive
+    worker serves), the supervisor starts it again with its ranks, the router moves its streams to the other
+    worker, and no request is lost or answered differently from the offline engine."""
+    from cluster_utils import Load, cluster, offline_answers, supervised
+    from waiting import wait_until
+
+    from kvserve.launcher.supervisor import RestartPolicy, State
+
+    c = cluster(0, 2, tmp_path, engine_argv=["--model", "default", "--num-blocks", "256", "--decode-tp", "2"])
+    threads, max_tokens = 4, 40
+    with supervised(c, RestartPolicy(initial_delay_s=0.2, startup_timeout_s=120.0)) as (supervisor, messages):
+        expected = offline_answers(llm, threads, max_tokens)
+        load = Load(c.endpoint, threads=threads, max_tokens=max_tokens, expected=expected)
+        try:
+            worker = c.child("decode-0")
+            wait_until(lambda: load.completed >= 2, 120, "the load running")
+            old_pid = worker.pid
+            [rank] = _rank_pids(old_pid)
+            os.kill(rank, signal.SIGKILL)
+            wait_until(lambda: worker.pid != old_pid and worker.answers(), 120, "decode-0 restarted and answering")
+            assert len(_rank_pids(worker.pid)) == 1 and not Path(f"/proc/{rank}").exists()
+            count = load.completed
+            wait_until(lambda: load.done_since(count) >= 4, 120, "requests completed after the restart")
+        finally:
+            load.stop()
+        assert supervisor.state("decode-0") is State.UP
+    assert load.failures == [] and load.wrong == [], (load.failures, load.wrong)
+    assert "this worker ends, to be restarted with all its ranks" in (tmp_path / "decode-0.log").read_text()
+    assert (tmp_path / "router.log").read_text().count("moving the stream to another") > 0  # caught mid-stream
+    assert any(f"decode decode-0 (pid {old_pid}) exited" in m for m in messages), messages
