@@ -83,7 +83,7 @@ class LLMEngine:
         caching, salt = self.config.enable_prefix_caching, self.prefix_salt
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_caching=caching, salt=salt)
         self.tiers = build_tiers(self.config, self.runner.kv_spec, self.runner.device, self.block_manager,
-                                 self.runner.kv_cache.layers, self.prefix_salt)  # fmt: skip
+                                 self.runner.kv_cache.layers, self.prefix_salt, self.runner.ranks)  # fmt: skip
         self.connector = self.tiers or KVConnector()
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.connector)  # fmt: skip

@@ -246,16 +246,16 @@ class ModelRunner:
 
 def _check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
     """Refuse, naming the options, what tensor parallelism does not run with yet (each rank's KV would have to
-    move too): a shared-memory pool (the workers' hand-off) and an explicit host tier; more ranks than GPUs."""
+    move too): a shared-memory pool (the workers' hand-off) and the disk tier; more ranks than GPUs."""
     size = config.tensor_parallel_size
     if device.type == "cuda" and size > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; this machine has {torch.cuda.device_count()}")
     if config.shared_kv_name:
         raise ValueError(f"tensor_parallel_size={size} with a shared KV pool (a worker's KV hand-off) is not "
                          "supported yet: run workers with tensor_parallel_size 1")  # fmt: skip
-    if config.host_kv_cache_gb or config.disk_kv_cache_dir:
-        raise ValueError(f"tensor_parallel_size={size} with a host or disk KV tier is not supported yet: "
-                         "set host_kv_cache_gb 0 (unset, it is off under tensor parallelism)")  # fmt: skip
+    if config.disk_kv_cache_dir:
+        raise ValueError(f"tensor_parallel_size={size} with a disk KV tier (disk_kv_cache_dir) is not supported "
+                         "yet: each rank would need its own files")  # fmt: skip
 
 
 def prepare_cpu_decode() -> bool:

@@ -37,6 +37,8 @@ from engine.models.loader import load_model
 from engine.models.model import CausalLM
 from engine.models.tensor_parallel import Group, RankLost, Shard, gather_logits
 from kvstore import KVCache, KVCacheSpec
+from kvstore.block_copier import BlockCopier
+from kvstore.host_tier import HostTier
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,12 @@ class Ranks:
         """Every rank allocates its part of a pool of ``num_blocks`` blocks (rank 0 chose the number)."""
         self.send("allocate", num_blocks)
 
+    def host_tier(self, num_slots: int, copier: BlockCopier) -> ShardedCopier:
+        """Every rank keeps a host tier of ``num_slots`` slots for its heads; rank 0's copies go through the
+        ``ShardedCopier`` returned, which makes each on every rank too."""
+        self.send("host_tier", num_slots)
+        return ShardedCopier(copier, self)
+
     def send(self, op: str, payload) -> None:
         for process in self._processes:
             try:
@@ -149,6 +157,32 @@ class Ranks:
                 process.kill()
                 process.wait()
         self._processes = []
+
+
+class ShardedCopier:
+    """Rank 0's ``BlockCopier`` under tensor parallelism: each copy between the pool and the host tier is sent
+    to every rank (their pools and host tiers hold their heads of the same blocks and slots), then made here.
+    A rank orders its next step after its copies itself; waiting on the host is rank 0's alone (its own tier's
+    slots are the ones the engine reads and writes on the host)."""
+
+    def __init__(self, copier: BlockCopier, ranks: Ranks) -> None:
+        self.copier, self.ranks = copier, ranks
+
+    def to_host(self, views, block_ids, host, slots) -> None:
+        if block_ids:
+            self.ranks.send("to_host", (list(block_ids), list(slots)))
+        self.copier.to_host(views, block_ids, host, slots)
+
+    def to_device(self, host, slots, views, block_ids) -> None:
+        if block_ids:
+            self.ranks.send("to_device", (list(slots), list(block_ids)))
+        self.copier.to_device(host, slots, views, block_ids)
+
+    def wait_for_copies(self) -> None:
+        self.copier.wait_for_copies()
+
+    def synchronize(self) -> None:
+        self.copier.synchronize()
 
 
 class ShardedModel:
@@ -202,6 +236,15 @@ def _rank_main(plans, path: Path, model_config: ModelConfig, config: EngineConfi
                 return
             if op == "allocate":
                 kv = KVCache(kv_spec(shard.config(), config, dtype), payload, device)
+            elif op == "host_tier":
+                host = HostTier(kv.spec, payload, pin_memory=device.type == "cuda")
+                copier = BlockCopier(device)
+            elif op == "to_host":  # (then ordered before this rank's next step, as the engine orders rank 0's)
+                copier.to_host(kv.layers, payload[0], host.views, payload[1])
+                copier.wait_for_copies()
+            elif op == "to_device":
+                copier.to_device(host.views, payload[0], kv.layers, payload[1])
+                copier.wait_for_copies()
             elif op == "forward":
                 input_ids, positions, meta = (_from_host(v, device) for v in payload)
                 model(input_ids, positions, kv.layers, meta)

@@ -279,12 +279,12 @@ def _host_tier_bytes(gb: float | None, pool_bytes: int, block: int) -> int:
 
 
 def build_tiers(config, spec, device: torch.device, block_manager: BlockManager, views: list[LayerKV],
-                fingerprint: str) -> TierConnector | None:  # fmt: skip
-    """The engine's memory tiers as its config asks, or None (no host tier); ValueError for a bad config."""
+                fingerprint: str, ranks=None) -> TierConnector | None:  # fmt: skip
+    """The engine's memory tiers as its config asks, or None (no host tier); ValueError for a bad config. Under
+    tensor parallelism (``ranks``, ``engine.tensor_parallel_ranks.Ranks``) ``spec`` is rank 0's, every rank
+    keeps a host tier of as many slots for its heads, and each copy is made on every rank."""
     if config.disk_kv_cache_gb and not config.disk_kv_cache_dir:
         raise ValueError("disk_kv_cache_gb is set but disk_kv_cache_dir is not: name the directory for the disk tier")
-    if config.tensor_parallel_size > 1:  # (each rank's KV would move too: not yet; the runner refused a set size)
-        return None
     block = spec.bytes_per_block()
     nbytes = _host_tier_bytes(config.host_kv_cache_gb, spec.total_bytes(block_manager.num_blocks), block)
     if not nbytes:
@@ -299,4 +299,7 @@ def build_tiers(config, spec, device: torch.device, block_manager: BlockManager,
 
         disk = DiskTier(config.disk_kv_cache_dir, fingerprint, int(config.disk_kv_cache_gb * (1 << 30)), spec)
     block_manager.pool.record_evictions = True
-    return TierConnector(block_manager, views, host, BlockCopier(device), disk, config.preemption_mode)
+    copier = BlockCopier(device)
+    if ranks is not None:
+        copier = ranks.host_tier(host.num_slots, copier)
+    return TierConnector(block_manager, views, host, copier, disk, config.preemption_mode)

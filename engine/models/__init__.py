@@ -5,8 +5,9 @@
 * ``rotary`` and ``moe``: the rotary tables and the mixture-of-experts MLP the decoder uses;
 * ``tensor_parallel``: how a model splits over ranks (``Shard``) and the collectives its layers make (``Group``;
   the rank processes themselves are ``engine.tensor_parallel_ranks``);
-* ``loader``: fills a ``CausalLM`` from a safetensors checkpoint (a rank's part of it, cut tensor by tensor), fusing its q/k/v, gate/up and experts'
-  tensors into the model's own parameters (it changes whenever those parameters do, so it lives beside them).
+* ``loader``: fills a ``CausalLM`` from a safetensors checkpoint (or a rank's part of it, cut tensor by
+  tensor), fusing its q/k/v, gate/up and experts' tensors into the model's own parameters (it changes whenever
+  those parameters do, so it lives beside them).
 
 The model's shape comes from ``engine.model_config`` (config.json parsed once); the runner
 (``engine.model_runner``) owns the weights and the KV pool and calls ``CausalLM`` each step.
