@@ -110,6 +110,10 @@ def test_greedy_equals_transformers_batched_unbatched_and_from_the_prefix_cache(
     assert out.token_ids == hf_generate(model, sharing)
 
 
+# Phi-3's split (fused q/k/v and gate/up cut part by part: tests/unit/test_tensor_parallel_split.py) on demand:
+# pytest -m soak tests/cluster/test_architectures.py -k tensor_parallel
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", pytest.param("phi3", marks=pytest.mark.soak), "qwen3_moe"],
+                         indirect=True)  # fmt: skip
 def test_two_tensor_parallel_ranks_give_one_devices_greedy_tokens(family):
     """Each family split over two ranks (gloo): one KV head and half the query heads, MLP width (every expert's,
     for Qwen3-MoE) and vocabulary each; the tokens and logprobs of one device (``tensor_parallel_testing``)."""

@@ -115,13 +115,15 @@ def _rank_pids(worker_pid: int) -> list[int]:
     return pids
 
 
-@pytest.mark.slow
+# on demand (~35 s: two split decode workers, four model processes on two cores):
+# pytest -m soak tests/cluster/test_tensor_parallel.py
+@pytest.mark.soak
 def test_a_killed_rank_ends_its_worker_which_restarts_whole_while_its_streams_move(tmp_path, llm):
     """Two decode workers split over two ranks each (``--prefill 0``), under the supervisor and a load of
     greedy and seeded streams: SIGKILL one worker's rank 1 mid-stream. That worker ends (no half-alive
     worker serves), the supervisor starts it again with its ranks, the router moves its streams to the other
     worker, and no request is lost or answered differently from the offline engine."""
-    from cluster_utils import Load, cluster, offline_answers, supervised
+    from cluster_utils import Load, cluster, offline_answers, prometheus_values, supervised
     from waiting import wait_until
 
     from kvserve.launcher.supervisor import RestartPolicy, State
@@ -133,7 +135,13 @@ def test_a_killed_rank_ends_its_worker_which_restarts_whole_while_its_streams_mo
         load = Load(c.endpoint, threads=threads, max_tokens=max_tokens, expected=expected)
         try:
             worker = c.child("decode-0")
-            wait_until(lambda: load.completed >= 2, 120, "the load running")
+
+            def streamed() -> float:  # the tokens decode-0 has streamed
+                buckets = prometheus_values(worker.metrics_url, "kvserve_inter_token_latency_seconds_bucket")
+                return buckets.get('le="+Inf"', 0.0)
+
+            before = streamed()
+            wait_until(lambda: streamed() >= before + 8, 120, "decode-0 streaming")  # (the kill catches streams)
             old_pid = worker.pid
             [rank] = _rank_pids(old_pid)
             os.kill(rank, signal.SIGKILL)
