@@ -6,8 +6,7 @@ it shares with its children on by walking their models (``rpc.settings.settings_
 
 * every engine option given (flag or ``KVSERVE_*``) goes to every worker, but ``UP_SET_FIELDS``: each
   worker's share of the GPU comes from ``--prefill/decode-gpu-memory-utilization``, its tensor-parallel size
-  from ``--prefill-tp``/``--decode-tp`` (else ``--tensor-parallel-size``), and a worker names its own
-  shared-memory pool;
+  from ``--prefill-tp``/``--decode-tp``, and a worker names its own shared-memory pool;
 * the router gets the model's options (``ModelSettings``), ``--max-model-len``, the served names
   (``ServedModelSettings``) and the stream options (``StreamSettings``);
 * the decode workers get ``--kv-transport``;
@@ -74,16 +73,12 @@ class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings
         "the cluster token alone)",
     )
 
-    prefill_tp: int | None = Field(
-        None, ge=1, description="tensor_parallel_size of each prefill worker; none: --tensor-parallel-size"
-    )
-    decode_tp: int | None = Field(
-        None, ge=1, description="tensor_parallel_size of each decode worker; none: --tensor-parallel-size"
-    )
+    prefill_tp: int = Field(1, ge=1, description="tensor_parallel_size of each prefill worker (its ranks)")
+    decode_tp: int = Field(1, ge=1, description="tensor_parallel_size of each decode worker (its ranks)")
 
     def role_tp(self, role: str) -> int:
         """The tensor-parallel size of ``role``'s workers."""
-        return getattr(self, f"{role}_tp") or self.tensor_parallel_size
+        return getattr(self, f"{role}_tp")
 
     kv_transport: KVTransportChoice = Field(
         None,
