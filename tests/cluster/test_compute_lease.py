@@ -37,7 +37,9 @@ def test_two_busy_workers_never_overlap_and_alternate(tmp_path):
     assert all(ended <= next_began for (_, ended, _), (next_began, _, _) in zip(steps, steps[1:], strict=False))
     holders = [name for _, _, name in steps]
     switches = sum(a != b for a, b in zip(holders, holders[1:], strict=False))
-    assert switches >= 36, holders  # a, b, a, b...: each waits behind the other, not a run of one of them
+    # a, b, a, b...: each waits behind the other, not a run of one of them (an unfair lock switches a few times in
+    # 40 steps); a loaded machine may let one take it twice in a row now and then (35 of 39 seen under make test)
+    assert switches >= 30, holders
 
 
 def test_without_a_path_the_lease_is_free():
