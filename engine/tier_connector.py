@@ -280,9 +280,8 @@ def _host_tier_bytes(gb: float | None, pool_bytes: int, block: int) -> int:
 
 def build_tiers(config, spec, device: torch.device, block_manager: BlockManager, views: list[LayerKV],
                 fingerprint: str, ranks=None) -> TierConnector | None:  # fmt: skip
-    """The engine's memory tiers as its config asks, or None (no host tier); ValueError for a bad config. Under
-    tensor parallelism (``ranks``, ``engine.tensor_parallel_ranks.Ranks``) ``spec`` is rank 0's, every rank
-    keeps a host tier of as many slots for its heads, and each copy is made on every rank."""
+    """The engine's memory tiers as its config asks, or None (no host tier); ValueError for a bad config. With
+    tensor-parallel ``ranks`` (``spec`` is rank 0's) each rank keeps as many slots, and every copy is made on each."""
     if config.disk_kv_cache_gb and not config.disk_kv_cache_dir:
         raise ValueError("disk_kv_cache_gb is set but disk_kv_cache_dir is not: name the directory for the disk tier")
     block = spec.bytes_per_block()
@@ -299,7 +298,5 @@ def build_tiers(config, spec, device: torch.device, block_manager: BlockManager,
 
         disk = DiskTier(config.disk_kv_cache_dir, fingerprint, int(config.disk_kv_cache_gb * (1 << 30)), spec)
     block_manager.pool.record_evictions = True
-    copier = BlockCopier(device)
-    if ranks is not None:
-        copier = ranks.host_tier(host.num_slots, copier)
+    copier = BlockCopier(device) if ranks is None else ranks.host_tier(host.num_slots, BlockCopier(device))
     return TierConnector(block_manager, views, host, copier, disk, config.preemption_mode)
