@@ -139,6 +139,9 @@ def store_kvcache(
     """Write new tokens' K/V into their slots in place (``-1`` = skip); see ``reference.store_kvcache``."""
     _check_int8(k_cache, k_scale, "k_cache")
     _check_int8(v_cache, v_scale, "v_cache")
+    if k_scale is None and v_scale is None and not use_triton(k.device) and \
+            cpu_decode.stores(k, v, k_cache, v_cache, slot_mapping):  # fmt: skip
+        return cpu_decode.store_kv(k, v, k_cache, v_cache, slot_mapping)
     impl = _implementation("store_kvcache", k.device)
     impl(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 

@@ -1,4 +1,6 @@
-"""Paged decode attention on the CPU as a small C kernel (``cpu_decode_attention.c``), built on first use.
+"""Paged decode attention on the CPU as a small C kernel (``cpu_decode_attention.c``), built on first use, and
+the store of new tokens' K/V beside it (``store_kv``: one C call a layer where the reference makes about ten
+ATen calls, 5 of a batch-16 step's 70 ms on the bundled model).
 
 Why: the reference gathers each sequence's blocks into a padded copy (``index_select``) and calls SDPA, whose
 CPU kernel is written for long query blocks. A decode step brings one query per sequence, so both cost far
@@ -90,6 +92,31 @@ def paged_decode_attention(
     return out
 
 
+def stores(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           slot_mapping: torch.Tensor) -> bool:  # fmt: skip
+    """Whether ``store_kv`` takes these (float32 on the CPU, each token's row of heads contiguous, int64 slots)."""
+    rows_whole = all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+    float32 = k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+    contiguous = k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.is_contiguous()
+    return (k.device.type == "cpu" and float32 and rows_whole and contiguous
+            and slot_mapping.dtype == torch.int64 and available())  # fmt: skip
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:  # fmt: skip
+    """``reference.store_kvcache`` without scales, for ``stores`` inputs: one C call for both caches."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    row = k_cache.shape[2] * k_cache.shape[3]
+    if k.shape[0] and (k.stride(0) != row or v.stride(0) != row):
+        k, v = k.contiguous(), v.contiguous()
+    status = _loaded[0].kvserve_store_kv_f32(
+        k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0],
+        row, num_slots,
+    )  # fmt: skip
+    if status != 0:
+        raise IndexError(f"store_kvcache: a slot outside the pool's {num_slots} slots")
+
+
 def _build_or_load(directory: Path) -> ctypes.CDLL | None:
     """The compiled kernel from ``directory``, built there now if no earlier process built it for this source
     and CPU; None without a compiler, or where the build fails (logged)."""
@@ -115,6 +142,9 @@ def _build_or_load(directory: Path) -> ctypes.CDLL | None:
     function.restype = ctypes.c_int
     function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
         [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]  # fmt: skip
+    store = library.kvserve_store_kv_f32
+    store.restype = ctypes.c_int
+    store.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
     return library
 
 

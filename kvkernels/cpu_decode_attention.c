@@ -42,6 +42,37 @@ static float dot(const float *restrict a, const float *restrict b, int64_t n) {
     return sums[0];
 }
 
+/* The head_dim / LANES products of each of LANES rows with one query, lane by lane in order: each row's lane
+ * vector as dot() builds it, before its lanes are summed. */
+static void partials(lanes out[LANES], const float *restrict q, const float *const rows[LANES], int64_t n) {
+    for (int i = 0; i < LANES; i++) {
+        lanes partial = {0};
+        for (int64_t d = 0; d < n; d += LANES)
+            partial += load(q + d) * load(rows[i] + d);
+        out[i] = partial;
+    }
+}
+
+/* The lane sums of LANES vectors at once: lane i of the result is the sum of v[i]'s lanes, added in dot()'s
+ * halving order (so the same bits as dot() for a head_dim that is a multiple of LANES). Each level pairs the
+ * vectors up and halves every one's live lanes: a transpose and a reduction in 15 shuffle-adds, where dot()
+ * spends LANES - 1 dependent scalar adds on each row. */
+static lanes lane_sums(lanes v[LANES]) {
+    for (int i = 0; i < 8; i++) /* each row's 16 lanes -> 8: [row 2i (8) | row 2i+1 (8)] */
+        v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                       31);
+    for (int i = 0; i < 4; i++) /* 8 -> 4 lanes a row: rows 4i..4i+3 */
+        v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++) /* 4 -> 2 lanes a row: rows 8i..8i+7 */
+        v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    /* 2 -> 1: row i in lane i */
+    return __builtin_shufflevector(v[0], v[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(v[0], v[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 /* acc += p * v over n floats */
 static void add_scaled(float *restrict acc, float p, const float *restrict v, int64_t n) {
     int64_t d = 0;
@@ -155,7 +186,22 @@ int kvserve_paged_decode_f32(const float *q, const float *k_cache, const float *
         }
         const struct rows rows = {block_tables + seq * table_stride, len, block_size, block_stride, token_stride,
                                   offset, width, ahead};
-        for (int64_t t = 0; t < len; t++) {
+        int64_t t = 0;
+        if (head_dim % LANES == 0) /* LANES tokens at a time, their sums transposed into one vector */
+            for (; t + LANES <= len; t += LANES) {
+                const float *k[LANES], *k_head[LANES];
+                for (int i = 0; i < LANES; i++)
+                    k[i] = next_row(k_cache, &rows, t + i);
+                for (int64_t h = 0; h < heads; h++) {
+                    for (int i = 0; i < LANES; i++)
+                        k_head[i] = k[i] + (h / group) * head_dim;
+                    lanes sums[LANES];
+                    partials(sums, q + q_row + h * head_dim, k_head, head_dim);
+                    const lanes s = lane_sums(sums) * scale;
+                    memcpy(scores + h * len + t, &s, sizeof s);
+                }
+            }
+        for (; t < len; t++) {
             const float *k = next_row(k_cache, &rows, t);
             for (int64_t h = 0; h < heads; h++)
                 scores[h * len + t] = dot(q + q_row + h * head_dim, k + (h / group) * head_dim, head_dim) * scale;
@@ -176,4 +222,22 @@ int kvserve_paged_decode_f32(const float *q, const float *k_cache, const float *
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* Stores each new token's K and V row (kv_heads * head_dim floats) into its slot of the caches; a slot of -1
+ * (batch padding) is skipped. Returns 0, or -1 where a slot lies outside the caches' num_slots (nothing is
+ * written then). The PyTorch reference spends about ten ATen calls a layer on this (a mask, a nonzero, two
+ * index, two index_copy_): more than the rows it moves at a decode step's few tokens. */
+int kvserve_store_kv_f32(const float *k, const float *v, float *k_cache, float *v_cache, const int64_t *slots,
+                         int64_t num_tokens, int64_t row, int64_t num_slots) {
+    for (int64_t i = 0; i < num_tokens; i++)
+        if (slots[i] < -1 || slots[i] >= num_slots)
+            return -1;
+    for (int64_t i = 0; i < num_tokens; i++) {
+        if (slots[i] < 0)
+            continue;
+        memcpy(k_cache + slots[i] * row, k + i * row, sizeof(float) * row);
+        memcpy(v_cache + slots[i] * row, v + i * row, sizeof(float) * row);
+    }
+    return 0;
 }

@@ -136,3 +136,26 @@ def test_a_kernel_directory_others_can_write_is_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_decode, "_loaded", [])
     assert not prepare_cpu_decode()
     assert not cpu_decode.available() and list((tmp_path / "kernels").iterdir()) == []
+
+
+def test_c_store_writes_the_slots_the_reference_writes(c_kernel):
+    """The C store (kvkernels' CPU entry point for float32 pools) against the reference's ``index_copy_``: K
+    and V as the attention layer has them (strided views of one projection), padding slots (-1) skipped;
+    a slot outside the pool raises before anything is written."""
+    if kvkernels.use_triton(torch.device("cpu")):
+        pytest.skip("TRITON_INTERPRET=1: the CPU stores through Triton")
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(7, 9 * 8 + 2 * 3 * 8, generator=generator)
+    k = qkv[:, 72:96].view(7, 3, 8)  # rows 120 floats apart, each token's heads contiguous
+    v = qkv[:, 96:].view(7, 3, 8)
+    slots = torch.tensor([5, -1, 0, 31, 12, -1, 20])
+    caches = [torch.randn(8, 4, 3, 8, generator=generator) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    assert cpu_decode.stores(k, v, *caches, slots)
+    kvkernels.store_kvcache(k, v, *caches, slots)
+    reference.store_kvcache(k, v, *expected, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    before = [c.clone() for c in caches]
+    with pytest.raises(IndexError, match="outside the pool's 32 slots"):
+        kvkernels.store_kvcache(k, v, *caches, torch.tensor([5, -1, 0, 32, 12, -1, 20]))
+    assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
