@@ -139,8 +139,10 @@ def grant_refusal(security: Security, request_id: str, dest: pb.KVDestination, w
     bad = [b for b in [*dest.block_ids, *dest.cached_block_ids] if not 0 <= b < dest.num_blocks]
     if bad:
         return f"block ids {bad[:4]} are outside the destination pool of {dest.num_blocks} blocks"
-    if dest.backend == Backend.SHM and (problem := _pool_file_refusal(Path(dest.shm_path), dest.worker_id, pool_dir)):
-        return problem
+    if dest.backend == Backend.SHM:
+        for path in [dest.shm_path, *dest.part_shm_paths]:
+            if problem := _pool_file_refusal(Path(path), dest.worker_id, pool_dir):
+                return problem
     if not nonces.accept(dest):
         return f"the lease for request {request_id!r} was used already: a replayed call is refused"
     return ""

@@ -81,6 +81,13 @@ class WorkerInfo:
     # KV transports offered beyond grpc, comma-separated wire names ("nixl"; transfer.backend.Backend). Signed
     # with SIGNED_FIELDS when set (``_signed_parts``), so records written before it existed still verify.
     transports: str = ""
+    # Tensor parallelism: the KV heads each rank holds, in rank order ("2,1": two ranks), '' for one device;
+    # its TP size is the count. Signed like ``transports`` when set.
+    kv_heads: str = ""
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return len(self.kv_heads.split(",")) if self.kv_heads else 1
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -116,15 +123,16 @@ class WorkerInfo:
             block_size=int(fields["block_size"]),
             started_at=float(fields["started_at"]),
             transports=fields.get("transports", ""),
+            kv_heads=fields.get("kv_heads", ""),
             **{name: load[name] for name in LOAD_FIELDS},
         )
 
 
 def _signed_parts(fields: Mapping[str, str]) -> list[str]:
-    """What the record's signature covers: ``SIGNED_FIELDS``, then ``transports`` when set (a record without
-    it signs what it did before the field existed; one with it cannot lose it unnoticed)."""
+    """What the record's signature covers: ``SIGNED_FIELDS``, then ``transports`` and ``kv_heads`` when set (a
+    record without them signs what it did before the fields existed; one with them cannot lose them unnoticed)."""
     parts = [fields.get(name, "") for name in SIGNED_FIELDS]
-    return parts + [f"transports={fields['transports']}"] if fields.get("transports") else parts
+    return parts + [f"{name}={fields[name]}" for name in ("transports", "kv_heads") if fields.get(name)]
 
 
 def verified_load(fields: Mapping[str, str], security: Security) -> dict[str, int] | None:

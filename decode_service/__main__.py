@@ -24,9 +24,8 @@ from rpc.worker_options import WORKER_SET_FIELDS
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(DecodeSettings, argv, "python -m decode_service", __doc__, WORKER_SET_FIELDS, "decode")
     worker_id, security, registry = prepare_worker(settings, "decode")
-    # a pool split over tensor-parallel ranks is not one file a prefill worker could write: kept private
-    private = settings.no_shm or settings.tensor_parallel_size > 1
-    engine = LLMEngine(settings.engine_config(shared_kv_name=None if private else worker_id))
+    # (under tensor parallelism every rank's part of the pool is a file of its own beside ours)
+    engine = LLMEngine(settings.engine_config(shared_kv_name=None if settings.no_shm else worker_id))
     aio = AsyncioThread()
     from decode_service.worker import DecodeWorker
 

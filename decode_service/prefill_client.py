@@ -23,7 +23,7 @@ from cluster_state.registry import Registry
 from cluster_state.workers import WorkerInfo
 from decode_service.request import ActiveRequest
 from kvstore.block_manager import BlockManager
-from kvstore.kv_cache import KVCache
+from kvstore.split_pool import SplitPool
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc import metrics
@@ -118,7 +118,7 @@ class PrefillClient:
         return self._publisher.submit(lambda: {(rid, writer) for rid, writer, address in leases
                                                if ended(rid, writer, address)})  # fmt: skip
 
-    def outcome(self, req: ActiveRequest, kv_cache: KVCache, num_blocks: int) -> tuple[pb.PrefillResponse | None,
+    def outcome(self, req: ActiveRequest, kv_cache: SplitPool, num_blocks: int) -> tuple[pb.PrefillResponse | None,
                                                                                   str | None, bool]:
         """(reply, error, writer_done) of a finished, expired or abandoned call: ``error`` is None when the KV
         arrived intact (our checksum of the first ``num_blocks`` leased blocks matches the writer's);

@@ -33,7 +33,7 @@ from decode_service.prefill_client import PrefillClient, Quarantine
 from decode_service.request import ActiveRequest, Admission, RequestState
 from engine.kv_connector import FinishedLoad, KVConnector
 from engine.sequence import Sequence
-from kvstore.kv_cache import KVCache
+from kvstore.split_pool import SplitPool
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from rpc.convert import logprobs_from_proto
 from transfer.backend import LOCAL, Backend, Endpoint, choose_backend
@@ -54,12 +54,14 @@ class PoolOffer:
     num_blocks: int
     shm_path: str = ""
     cuda_ipc_handle: bytes = b""
+    kv_heads: str = ""  # heads of each part when split over tensor-parallel ranks ("2,1"); '' for one part
+    part_shm_paths: tuple[str, ...] = ()  # the files of parts 1.. (``shm_path`` is part 0's)
 
 
 class RemotePrefillConnector(KVConnector):
     brings_logits = True  # the prefill worker computes what a request asks for (``_loaded``)
 
-    def __init__(self, pool: PoolOffer, kv_cache: KVCache, block_size: int, prefills: PrefillClient,
+    def __init__(self, pool: PoolOffer, kv_cache: SplitPool, block_size: int, prefills: PrefillClient,
                  quarantine: Quarantine, admission: Admission, wake: Callable[[], None], revoke_lock: threading.Lock,
                  forced: Backend | None = None, offer_cached_prefix: bool = True,
                  nixl: NixlOffer | None = None) -> None:  # fmt: skip
@@ -127,7 +129,8 @@ class RemotePrefillConnector(KVConnector):
                                 fingerprint=pool.fingerprint, block_ids=req.leased, shm_path=pool.shm_path,
                                 num_blocks=pool.num_blocks, cuda_ipc_handle=pool.cuda_ipc_handle,
                                 cached_block_ids=offered, nixl_metadata=nixl.metadata if nixl else b"",
-                                nixl_pool=nixl.pool if nixl else "")  # fmt: skip
+                                nixl_pool=nixl.pool if nixl else "", kv_heads=pool.kv_heads,
+                                part_shm_paths=pool.part_shm_paths if backend == Backend.SHM else ())  # fmt: skip
         self.prefills.start(req, target, dest, timeout)
         req.future.add_done_callback(lambda _: self.wake())
 

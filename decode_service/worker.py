@@ -64,11 +64,12 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         self.engine, self.worker_id, self.address, self.security = engine, worker_id, address, security
         self.compute = compute or ComputeLease(None)  # held around each step (rpc.compute_lease)
         runner = engine.runner
-        self.fingerprint = engine.prefix_salt  # the KV layout (a tensor-parallel size above 1 included)
-        # NIXL: offered when installed; our agent starts on first need, or now when every hand-off uses it. Not
-        # under tensor parallelism: this process holds one rank's heads (and a prefill worker of another
-        # layout never reaches the pool: the fingerprints differ)
+        self.fingerprint = engine.prefix_salt  # the KV layout, of all heads (the same for every TP size)
+        # Tensor parallel: a prefill worker writes each rank's part its heads (``kvstore.split_pool``), through
+        # the part files (shm) or our receiver (grpc); NIXL and CUDA IPC reach an unsplit pool only. Under NCCL
+        # ranks this process cannot reach the other parts at all: every prompt is prefilled here.
         split = engine.config.tensor_parallel_size > 1
+        whole = runner.kv_pool
         if kv_transport == Backend.NIXL and (split or not nixl_installed()):
             raise RuntimeError("--kv-transport nixl needs NIXL (pip install 'kvserve[nixl]') and a worker at "
                                "--tensor-parallel-size 1")  # fmt: skip
@@ -77,15 +78,19 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         self.endpoint = Endpoint(local_host_id(), str(runner.device), bool(shm_path),
                                  frozenset([Backend.NIXL] if self.nixl else []))  # fmt: skip
         ipc = export_cuda_ipc(runner.kv_cache) if runner.device.type == "cuda" and not split else b""
-        pool = PoolOffer(worker_id, address, self.fingerprint, self.endpoint, runner.num_blocks, shm_path, ipc)
-        self.prefills = PrefillClient(aio, security, worker_id, self.fingerprint, registry, prefill_timeout_s,
+        self.kv_heads = runner.kv_heads  # advertised: what each rank holds
+        parts = [str(p) for p in runner.kv_part_paths] if shm_path else []
+        pool = PoolOffer(worker_id, address, self.fingerprint, self.endpoint, runner.num_blocks, shm_path, ipc,
+                         self.kv_heads if whole is not None else "", tuple(parts))  # fmt: skip
+        self.prefills = PrefillClient(aio, security, worker_id, self.fingerprint,
+                                      registry if whole is not None else None, prefill_timeout_s,
                                       prefill_ms_per_token)  # fmt: skip
-        self.receiver = KVReceiver(runner.kv_cache, self.fingerprint, self.lease_holder)
+        self.receiver = KVReceiver(whole, self.fingerprint, self.lease_holder)
         self.quarantine = Quarantine(engine.block_manager, self.prefills)
         self.admission = Admission(max_waiting)
         self._inbox: queue.Queue = queue.Queue()  # ("add" | "abort" | "wake", request) from the gRPC side
         self.connector = RemotePrefillConnector(
-            pool, runner.kv_cache, engine.config.block_size, self.prefills, self.quarantine, self.admission,
+            pool, whole, engine.config.block_size, self.prefills, self.quarantine, self.admission,
             lambda: self._inbox.put(("wake", None)), self.receiver.lock,
             Backend(kv_transport) if kv_transport else None, prefill_reads_cached_prefix, self.nixl)  # fmt: skip
         engine.connect(self.connector)
@@ -98,7 +103,8 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         return WorkerInfo(worker_id=self.worker_id, role="decode", address=self.address,
                           host_id=self.endpoint.host_id, device=self.endpoint.device, fingerprint=self.fingerprint,
                           block_size=self.engine.config.block_size,
-                          transports=",".join(sorted(self.endpoint.transports)), **self.load())  # fmt: skip
+                          transports=",".join(sorted(self.endpoint.transports)), kv_heads=self.kv_heads,
+                          **self.load())  # fmt: skip
 
     def load(self) -> dict[str, int]:
         bm = self.engine.block_manager

@@ -26,6 +26,7 @@ blocks included, is cached once its KV is computed and stays until evicted
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -76,10 +77,10 @@ class LLMEngine:
         self.requests = RequestValidator(self.config, self.model_config, self.tokenizer, self.max_model_len,
                                          self.runner.num_blocks, self.runner.model_ring)  # fmt: skip
         self.requests.ring_for(SamplingParams())  # the engine's own streaming options fit this model and pool
-        # the KV layout: a tensor-parallel rank's pool holds its heads only, so the size is part of it
-        tp = self.config.tensor_parallel_size
-        split = f"tp={tp}" if tp > 1 else ""
-        self.prefix_salt = fingerprint(self.model_config.architecture, self.runner.kv_spec, split)
+        # the KV layout, of all heads: the same for every tensor-parallel split (a rank's pool holds its heads of
+        # the same blocks, and hand-offs move whole heads: ``kvstore.split_pool``)
+        whole = dataclasses.replace(self.runner.kv_spec, num_kv_heads=self.model_config.num_kv_heads)
+        self.prefix_salt = fingerprint(self.model_config.architecture, whole)
         caching, salt = self.config.enable_prefix_caching, self.prefix_salt
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_caching=caching, salt=salt)
         self.tiers = build_tiers(self.config, self.runner.kv_spec, self.runner.device, self.block_manager,

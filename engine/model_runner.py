@@ -38,7 +38,8 @@ from kvkernels import cpu_decode
 from kvstore import KVCache
 from kvstore.private_dir import private_dir
 from kvstore.ring import RingSpec
-from kvstore.shared_pool import create_shared_pool
+from kvstore.shared_pool import create_part_files, create_shared_pool, map_pool_file
+from kvstore.split_pool import SplitPool
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ class ModelRunner:
             _check_tensor_parallel(config, self.device)
             self.ranks = Ranks(model_path, model_config, config, self.dtype, self.device)
             local = shard.config()
+        # what each rank holds, advertised by a worker ("2,1"); '' on one device
+        self.kv_heads = ",".join(str(Shard.of(model_config, rank, config.tensor_parallel_size).config().num_kv_heads)
+                                 for rank in range(config.tensor_parallel_size)) if self.ranks is not None else ""
         try:
             self.model = load_model(model_path, model_config, self.dtype, self.device, shard,
                                     self.ranks.group if self.ranks is not None else None)  # fmt: skip
@@ -89,12 +93,16 @@ class ModelRunner:
                     f"a KV budget of {budget} bytes holds no block; one block needs {self.kv_spec.bytes_per_block()}"
                 )
         self.kv_pool_path = None
+        self.kv_part_paths: list[Path] = []  # the pool files of ranks 1.., kept while others may map them
         if config.shared_kv_name and self.device.type == "cpu":
             self.kv_cache, self.kv_pool_path = create_shared_pool(self.kv_spec, num_blocks, config.shared_kv_name)
         else:
             self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
+        # The whole pool as this process reaches it (``kvstore.split_pool``): on the CPU every rank's part is a
+        # pool file mapped here too, so that a worker's KV hand-off moves all heads; None under NCCL ranks
+        self.kv_pool: SplitPool | None = SplitPool([self.kv_cache])
         if self.ranks is not None:
-            self.ranks.allocate(num_blocks)
+            self.kv_pool = self._allocate_ranks(model_config, config, num_blocks)
         if self.device.type == "cpu":
             packed = pack_for_onednn(self.model)
             if packed:
@@ -133,11 +141,30 @@ class ModelRunner:
                 with torch.inference_mode():
                     self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.decode_inputs, self.device)
 
+    def _allocate_ranks(self, model_config: ModelConfig, config: EngineConfig, num_blocks: int) -> SplitPool | None:
+        """Every rank's part of the pool: on the CPU in pool files (``create_part_files``) that this process
+        maps too, kept while the pool is shared (our part is a file: prefill workers map them all), removed once
+        the ranks have mapped them otherwise; on CUDA in each rank's GPU (None: this process sees its own)."""
+        if self.device.type != "cpu":
+            self.ranks.allocate(num_blocks, [])
+            return None
+        size = config.tensor_parallel_size
+        specs = [kv_spec(Shard.of(model_config, rank, size).config(), config, self.dtype) for rank in range(1, size)]
+        self.kv_part_paths = create_part_files(specs, num_blocks, config.shared_kv_name or "engine")
+        self.ranks.allocate(num_blocks, [str(p) for p in self.kv_part_paths])
+        parts = [map_pool_file(spec, num_blocks, path) for spec, path in zip(specs, self.kv_part_paths, strict=True)]
+        if self.kv_pool_path is None:  # nobody else maps them: the mappings hold the memory from now on
+            for path in self.kv_part_paths:
+                path.unlink(missing_ok=True)
+            self.kv_part_paths = []
+        return SplitPool([self.kv_cache, *parts])
+
     def close(self) -> None:
-        """Remove the shared-memory file of the pool, if there is one (mappings stay valid until dropped)."""
-        if getattr(self, "kv_pool_path", None) is not None:
-            self.kv_pool_path.unlink(missing_ok=True)
-            self.kv_pool_path = None
+        """Remove the shared-memory files of the pool, if there are (mappings stay valid until dropped)."""
+        for path in [getattr(self, "kv_pool_path", None), *getattr(self, "kv_part_paths", [])]:
+            if path is not None:
+                path.unlink(missing_ok=True)
+        self.kv_pool_path, self.kv_part_paths = None, []
         if self.ranks is not None:
             self.ranks.close()
             self.ranks = None
@@ -246,13 +273,10 @@ class ModelRunner:
 
 def _check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
     """Refuse, naming the options, what tensor parallelism does not run with yet (each rank's KV would have to
-    move too): a shared-memory pool (the workers' hand-off) and the disk tier; more ranks than GPUs."""
+    move too): the disk tier; more ranks than GPUs."""
     size = config.tensor_parallel_size
     if device.type == "cuda" and size > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; this machine has {torch.cuda.device_count()}")
-    if config.shared_kv_name:
-        raise ValueError(f"tensor_parallel_size={size} with a shared KV pool (a worker's KV hand-off) is not "
-                         "supported yet: run workers with tensor_parallel_size 1")  # fmt: skip
     if config.disk_kv_cache_dir:
         raise ValueError(f"tensor_parallel_size={size} with a disk KV tier (disk_kv_cache_dir) is not supported "
                          "yet: each rank would need its own files")  # fmt: skip

@@ -39,6 +39,7 @@ from engine.models.tensor_parallel import Group, RankLost, Shard, gather_logits
 from kvstore import KVCache, KVCacheSpec
 from kvstore.block_copier import BlockCopier
 from kvstore.host_tier import HostTier
+from kvstore.shared_pool import map_pool_file
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +124,12 @@ class Ranks:
         pickle.dump(message, process.stdin, protocol=pickle.HIGHEST_PROTOCOL)
         process.stdin.flush()
 
-    def allocate(self, num_blocks: int) -> None:
-        """Every rank allocates its part of a pool of ``num_blocks`` blocks (rank 0 chose the number)."""
-        self.send("allocate", num_blocks)
+    def allocate(self, num_blocks: int, paths: list[str]) -> None:
+        """Every rank allocates its part of a pool of ``num_blocks`` blocks (rank 0 chose the number): in its
+        pool file ``paths[rank - 1]`` (which rank 0 maps too), or in its own memory without ``paths``. Returns
+        once every rank has its part (a barrier: rank 0 may remove the files then)."""
+        self.send("allocate", (num_blocks, paths))
+        self.group.barrier()
 
     def host_tier(self, num_slots: int, copier: BlockCopier) -> ShardedCopier:
         """Every rank keeps a host tier of ``num_slots`` slots for its heads; rank 0's copies go through the
@@ -235,7 +239,10 @@ def _rank_main(plans, path: Path, model_config: ModelConfig, config: EngineConfi
             if op == "stop":
                 return
             if op == "allocate":
-                kv = KVCache(kv_spec(shard.config(), config, dtype), payload, device)
+                num_blocks, paths = payload
+                spec = kv_spec(shard.config(), config, dtype)
+                kv = map_pool_file(spec, num_blocks, paths[rank - 1]) if paths else KVCache(spec, num_blocks, device)
+                group.barrier()
             elif op == "host_tier":
                 host = HostTier(kv.spec, payload, pin_memory=device.type == "cuda")
                 copier = BlockCopier(device)

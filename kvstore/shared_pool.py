@@ -102,16 +102,43 @@ def create_shared_pool(spec: KVCacheSpec, num_blocks: int, name: str) -> tuple[K
     made in private memory instead, with a warning, and the path returned is None: nobody maps it then.
     """
     directory = pool_dir()
-    nbytes = spec.total_bytes(num_blocks)
-    shortfall = _pool_space_shortfall(directory, nbytes)
+    shortfall = _pool_space_shortfall(directory, spec.total_bytes(num_blocks))
     if shortfall is not None:
         log.warning(shortfall)
         return KVCache(spec, num_blocks, "cpu"), None
-    path = directory / pool_file_name(name, os.getpid())
+    path = _new_pool_file(directory / pool_file_name(name, os.getpid()), spec.total_bytes(num_blocks))
+    return map_pool_file(spec, num_blocks, path), path
+
+
+def create_part_files(specs: list[KVCacheSpec], num_blocks: int, name: str) -> list[Path]:
+    """New pool files (as ``create_shared_pool``'s) for the parts of a pool split over tensor-parallel ranks
+    1.. (``specs``: each part's), named ``kvserve-<name>-r<rank>-<pid>``: each rank maps its own, and rank 0
+    maps them all (``kvstore.split_pool``). ``RuntimeError`` when they do not fit the filesystem's free space:
+    unlike a whole pool, a part cannot fall back to private memory, since rank 0 must reach it."""
+    directory = pool_dir()
+    nbytes = sum(spec.total_bytes(num_blocks) for spec in specs)
+    shortfall = _pool_space_shortfall(directory, nbytes)
+    if shortfall is not None:
+        raise RuntimeError(f"tensor parallel ranks on the CPU keep their KV in shared memory: {shortfall}")
+    return [_new_pool_file(directory / pool_file_name(f"{name}-r{rank}", os.getpid()), spec.total_bytes(num_blocks))
+            for rank, spec in enumerate(specs, start=1)]  # fmt: skip
+
+
+def _new_pool_file(path: Path, nbytes: int) -> Path:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, nbytes)
     finally:
         os.close(fd)
+    return path
+
+
+def map_pool_file(spec: KVCacheSpec, num_blocks: int, path: str | Path) -> KVCache:
+    """Map a pool file (this process's or another's); writes go straight into every process that maps it.
+    ``ValueError`` when the file's size is not that of ``num_blocks`` blocks of ``spec``."""
+    nbytes = spec.total_bytes(num_blocks)
+    actual = os.stat(path).st_size
+    if actual != nbytes:
+        raise ValueError(f"shared KV pool {path} has {actual} bytes, expected {nbytes}: layouts differ")
     buffer = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-    return KVCache(spec, num_blocks, "cpu", buffer=buffer), path
+    return KVCache(spec, num_blocks, "cpu", buffer=buffer)

@@ -1,8 +1,9 @@
 """The prefill worker's KV connector: each prompt's KV goes into blocks of a decode worker's pool.
 
-A request's ``kv_params`` is a ``Handoff``: the decode worker's pool (its layer views, mapped in place:
-``shm`` or ``cuda_ipc``; None for ``grpc``, whose blocks the worker reads out of our own pool after the
-prompt is done) and the decode worker's block table for the prompt from position 0. That pool already holds
+A request's ``kv_params`` is a ``Handoff``: the decode worker's pool (mapped in place: ``shm`` or
+``cuda_ipc``; a ``SplitPool``, whose parts may split the heads over ranks otherwise than ours do; None for
+``grpc``, whose blocks the worker reads out of our own pool after the prompt is done) and the decode
+worker's block table for the prompt from position 0. That pool already holds
 the first ``num_held_tokens`` (whole blocks): those blocks are only ever read, for other sequences there may
 be using them. Everything after them must end up there.
 
@@ -27,14 +28,15 @@ from dataclasses import dataclass, field
 
 from engine.kv_connector import KVConnector
 from engine.sequence import Sequence
-from kvstore.kv_cache import LayerKV, copy_blocks
+from kvstore.kv_cache import KVCache
+from kvstore.split_pool import SplitPool, copy_blocks
 
 
 @dataclass(eq=False)
 class Handoff:
     """Where one prompt's KV goes; see the module's docstring."""
 
-    layers: list[LayerKV] | None
+    pool: SplitPool | KVCache | None
     block_table: list[int]
     block_size: int
     num_held_tokens: int = 0
@@ -45,6 +47,8 @@ class Handoff:
     failed: bool = field(default=False, init=False)  # a load stopped short at the deadline
 
     def __post_init__(self) -> None:
+        if self.pool is not None:
+            self.pool = SplitPool.of(self.pool)  # (an unsplit KVCache is one part)
         if self.num_held_tokens % self.block_size or self.num_held_tokens < 0:
             raise ValueError(f"num_held_tokens={self.num_held_tokens} must be whole blocks of {self.block_size}")
         if self.readable and not self.num_held_tokens:
@@ -56,8 +60,8 @@ class Handoff:
 
 
 class HandoffConnector(KVConnector):
-    def __init__(self, own: list[LayerKV], block_size: int) -> None:
-        self.own = own
+    def __init__(self, own: SplitPool | KVCache, block_size: int) -> None:
+        self.own = SplitPool.of(own)
         self.block_size = block_size
 
     def num_external_tokens(self, seq: Sequence, num_cached_tokens: int) -> tuple[int, bool]:
@@ -84,14 +88,14 @@ class HandoffConnector(KVConnector):
             first, end = handoff.read
             handoff.read = None
             src, dst = handoff.block_table[first:end], seq.block_table[first:end].tolist()
-            if not copy_blocks(handoff.layers, src, self.own, dst, handoff.deadline):
+            if not copy_blocks(handoff.pool, src, self.own, dst, handoff.deadline):
                 handoff.failed = True
 
     def save(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[Sequence]:
         failed = []
         for seq, n in zip(seqs, num_new_tokens, strict=True):
             handoff: Handoff | None = seq.kv_params
-            if handoff is None or handoff.layers is None:
+            if handoff is None or handoff.pool is None:
                 continue
             computed = seq.num_computed_tokens + n
             first, end = handoff.num_saved_blocks, -(-computed // self.block_size)
@@ -100,7 +104,7 @@ class HandoffConnector(KVConnector):
                 continue
             if end > first:
                 src, dst = seq.block_table[first:end].tolist(), handoff.block_table[first:end]
-                if not copy_blocks(self.own, src, handoff.layers, dst, handoff.deadline):
+                if not copy_blocks(self.own, src, handoff.pool, dst, handoff.deadline):
                     failed.append(seq)
                     continue
             handoff.num_saved_blocks = computed // self.block_size

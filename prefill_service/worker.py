@@ -76,9 +76,15 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_ms / 1000
         runner = engine.runner
-        engine.connect(HandoffConnector(runner.kv_cache.layers, engine.config.block_size))
-        self.fingerprint = engine.prefix_salt  # the KV layout
-        self.destinations = Destinations(runner.kv_spec, self.fingerprint, worker_id, security, registry,
+        if runner.kv_pool is None:  # (prefill_service.__main__ refuses it first)
+            raise ValueError("a prefill worker split over NCCL ranks cannot reach their KV to hand it off")
+        # under tensor parallelism every rank's heads move, from the parts this process maps (kvstore.split_pool)
+        engine.connect(HandoffConnector(runner.kv_pool, engine.config.block_size))
+        self.fingerprint = engine.prefix_salt  # the KV layout, of all heads (the same for every TP size)
+        self.kv_heads = runner.kv_heads  # advertised: what each rank holds
+        # NIXL writes from an unsplit pool only (a split one's parts are separate buffers)
+        self.offers_nixl = nixl_installed() and not runner.kv_pool.split
+        self.destinations = Destinations(runner.kv_pool.spec, self.fingerprint, worker_id, security, registry,
                                          runner.device)  # fmt: skip
         self._jobs: queue.Queue[PrefillJob] = queue.Queue()
         self._num_running = 0
@@ -134,7 +140,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"pushing the KV to decode worker {dest.worker_id} "
                                 f"failed: {err}")  # fmt: skip
         span.record("prefill.handoff", prefilled, time.perf_counter(), backend=dest.backend, blocks=len(written),
-                    bytes=len(written) * self.engine.runner.kv_cache.spec.bytes_per_block())  # fmt: skip
+                    bytes=len(written) * self.engine.runner.kv_pool.spec.bytes_per_block())  # fmt: skip
         return pb.PrefillResponse(
             first_token_logprob=logprobs_to_proto([result.first_logprob])[0] if result.first_logprob else None,
             prompt_logprobs=logprobs_to_proto(result.prompt_logprobs or ()),
@@ -168,8 +174,8 @@ class PrefillWorker(pb_grpc.PrefillServicer):
     def info(self) -> WorkerInfo:
         return WorkerInfo(worker_id=self.worker_id, role="prefill", address=self.address, host_id=local_host_id(),
                           device=str(self.engine.runner.device), fingerprint=self.fingerprint,
-                          block_size=self.engine.config.block_size, transports=Backend.NIXL if nixl_installed() else "",
-                          **self.load())  # fmt: skip
+                          block_size=self.engine.config.block_size, transports=Backend.NIXL if self.offers_nixl else "",
+                          kv_heads=self.kv_heads, **self.load())  # fmt: skip
 
     def drain(self, timeout_s: float) -> None:
         """Refuse new prefills; the batcher stops once the queued ones are done or ``timeout_s`` passes."""
@@ -236,7 +242,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             cached = list(job.destination.cached_block_ids)
             leased = list(job.destination.block_ids)
             try:
-                handoff = Handoff(pool.layers if pool else None, (cached or leased[:1] * skip) + leased, bs,
+                handoff = Handoff(pool, (cached or leased[:1] * skip) + leased, bs,
                                   job.dest_cached_tokens, bool(cached and pool), job.write_until)  # fmt: skip
                 engine.add_request(job.prompt, params, rid, kv_params=handoff)
                 pending[rid] = job
@@ -261,7 +267,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
                     table = engine.block_manager.block_table(out.request_id)[job.dest_cached_tokens // bs :]
                     leased = list(job.destination.block_ids)[: len(table)]  # before our blocks are released:
                     prefilled = time.perf_counter()
-                    taken = job.transport.take(engine.runner.kv_cache, table, job.request_id, leased, job.write_until)
+                    taken = job.transport.take(engine.runner.kv_pool, table, job.request_id, leased, job.write_until)
                     took = time.perf_counter()
                     engine.release(out.request_id)
                     self._end_writes(job, "success")

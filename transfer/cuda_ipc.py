@@ -10,6 +10,7 @@ import json
 import torch
 
 from kvstore.kv_cache import KVCache, KVCacheSpec
+from kvstore.split_pool import SplitPool
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from transfer.backend import Backend
 from transfer.interface import InPlaceTransport, Origin
@@ -69,4 +70,7 @@ class CudaIpcTransport(InPlaceTransport):
 
     @classmethod
     def open(cls, dest: pb.KVDestination, origin: Origin) -> CudaIpcTransport:
-        return cls(dest.worker_id, open_cuda_ipc_pool(origin.spec, dest.num_blocks, dest.cuda_ipc_handle))
+        if dest.kv_heads:
+            raise ValueError("cuda_ipc reaches an unsplit pool only: the destination's heads are split over ranks")
+        pool = open_cuda_ipc_pool(origin.spec, dest.num_blocks, dest.cuda_ipc_handle)
+        return cls(dest.worker_id, SplitPool([pool]))

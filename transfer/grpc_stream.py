@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import xxhash
 
-from kvstore.kv_cache import KVCache
+from kvstore.split_pool import SplitPool
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from security.auth import CALLER_METADATA
@@ -50,7 +50,7 @@ class GrpcTransport(KVTransport):
     def open(cls, dest: pb.KVDestination, origin: Origin) -> GrpcTransport:
         return cls(dest.worker_id, dest.address, origin)
 
-    def take(self, source: KVCache, block_ids: list[int], request_id: str = "", dst_blocks: list[int] = (),
+    def take(self, source: SplitPool, block_ids: list[int], request_id: str = "", dst_blocks: list[int] = (),
              deadline: float | None = None) -> list[bytes]:  # fmt: skip
         """The blocks' bytes, one ``bytes`` per chunk of ``chunked(block_ids)``."""
         return [read_blocks(source, part) for part in chunked(block_ids)]
@@ -87,9 +87,9 @@ class KVReceiver(pb_grpc.KVTransferServicer):
     names is leased to that request and to the prefill worker sending it (the caller's ``x-kvserve-worker``,
     on a call the token interceptor let through). Answers with the checksum of everything written, in order."""
 
-    def __init__(self, kv_cache: KVCache, fingerprint: str,
+    def __init__(self, pool: SplitPool, fingerprint: str,
                  lease_holder: Callable[[str], tuple[list[int], str]]) -> None:  # fmt: skip
-        self.kv_cache = kv_cache
+        self.pool = pool  # every tensor-parallel rank's part: each chunk's bytes are whole heads
         self.fingerprint = fingerprint
         self.lease_holder = lease_holder  # request id -> (leased block ids, prefill worker id); ([], '') if none
         # Held while a chunk is checked and written, and by the decode loop while it revokes a lease: once
@@ -101,7 +101,7 @@ class KVReceiver(pb_grpc.KVTransferServicer):
             leased, holder = self.lease_holder(chunk.request_id)
             if not leased or holder != caller or not set(chunk.block_ids) <= set(leased):
                 return False
-            write_blocks(self.kv_cache, list(chunk.block_ids), chunk.data)
+            write_blocks(self.pool, list(chunk.block_ids), chunk.data)
             return True
 
     async def PushKV(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushKVResponse:

@@ -23,7 +23,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvstore.kv_cache import KVCache, KVCacheSpec
+from kvstore.kv_cache import KVCacheSpec
+from kvstore.split_pool import SplitPool
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from security.auth import Security
 from transfer.backend import Backend
@@ -40,7 +41,8 @@ class TransferFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Origin:
-    """The prefill worker's side of every transport it opens: its KV layout, and who it is to decode workers."""
+    """The prefill worker's side of every transport it opens: its KV layout (the unsplit pool's, whatever either
+    side's tensor-parallel split), and who it is to decode workers."""
 
     spec: KVCacheSpec
     fingerprint: str
@@ -53,7 +55,7 @@ class KVTransport(ABC):
 
     backend: ClassVar[Backend]
 
-    def __init__(self, worker_id: str, pool: KVCache | None = None) -> None:
+    def __init__(self, worker_id: str, pool: SplitPool | None = None) -> None:
         self.worker_id = worker_id  # the decode worker whose pool this reaches
         self.pool = pool  # that pool, mapped here and written in place; None when the KV moves after the step
 
@@ -67,7 +69,7 @@ class KVTransport(ABC):
     def open(cls, dest: pb.KVDestination, origin: Origin) -> KVTransport:
         """Reach ``dest``'s pool; ``OSError``, ``RuntimeError`` or ``ValueError`` when it cannot be opened."""
 
-    def take(self, source: KVCache, block_ids: list[int], request_id: str = "", dst_blocks: list[int] = (),
+    def take(self, source: SplitPool, block_ids: list[int], request_id: str = "", dst_blocks: list[int] = (),
              deadline: float | None = None) -> object:  # fmt: skip
         """What ``finish`` needs from ``block_ids`` of our own pool, taken before the engine releases them
         (``nixl`` writes them into ``dst_blocks`` here, for ``request_id``, until ``deadline``)."""
@@ -90,7 +92,7 @@ class InPlaceTransport(KVTransport):
     """A transport whose ``pool`` is the decode worker's memory: the KV is there once the engine has stored
     it, and ``finish`` only checksums the destination blocks (off the event loop)."""
 
-    pool: KVCache
+    pool: SplitPool
 
     async def finish(self, request_id: str, dst_blocks: list[int], taken: object) -> str:
         return await asyncio.to_thread(checksum_blocks, self.pool, dst_blocks)

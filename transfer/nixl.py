@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.kv_cache import KVCache, KVCacheSpec
+from kvstore.split_pool import SplitPool
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from transfer.backend import Backend
 from transfer.blocks import checksum_blocks
@@ -107,6 +108,8 @@ class NixlTransport(KVTransport):
         if not dest.nixl_metadata or dest.nixl_pool.count(":") != 2 or dest.nixl_pool.split(":")[0] not in (
                 "DRAM", "VRAM"):  # fmt: skip
             raise ValueError("the destination offers no NIXL agent and pool")
+        if dest.kv_heads:
+            raise ValueError("NIXL writes into an unsplit pool only: the destination's heads are split over ranks")
         local = local_agent(origin.worker_id)
         remote = local.agent.add_remote_agent(dest.nixl_metadata)
         remote = remote.decode() if isinstance(remote, bytes) else remote
@@ -115,7 +118,7 @@ class NixlTransport(KVTransport):
             raise ValueError(f"the NIXL agent {remote!r} is not decode worker {dest.worker_id!r}'s")
         return cls(dest.worker_id, local, remote, dest.nixl_pool, origin.spec, dest.num_blocks)
 
-    def take(self, source: KVCache, block_ids: list[int], request_id: str = "", dst_blocks: list[int] = (),
+    def take(self, source: SplitPool | KVCache, block_ids: list[int], request_id: str = "", dst_blocks: list[int] = (),
              deadline: float | None = None) -> Written:  # fmt: skip
         """Write ``block_ids`` of ``source`` into ``dst_blocks`` (one to one), with a notification naming
         ``request_id``, and wait for it; at ``deadline`` (monotonic) an unfinished write is cancelled. Never
@@ -124,6 +127,11 @@ class NixlTransport(KVTransport):
             return Written(error=f"{len(block_ids)} source blocks for {len(dst_blocks)} leased ones")
         if not block_ids:
             return Written(checksum="")
+        source = SplitPool.of(source)
+        if source.split:  # (a split prefill worker offers no NIXL: only a forced transport gets here)
+            return Written(error="NIXL writes from an unsplit pool only; this prefill worker's heads are split over "
+                                 "tensor-parallel ranks (use grpc)")  # fmt: skip
+        whole, source = source, source.parts[0]
         deadline = min(deadline if deadline is not None else float("inf"), time.monotonic() + WRITE_TIMEOUT_S)
         try:
             self.local.register(source)
@@ -137,7 +145,7 @@ class NixlTransport(KVTransport):
         except Exception as err:  # noqa: BLE001 - nixl raises its own types; nothing was posted
             return Written(error=f"preparing the NIXL write failed: {err}")
         state = agent.transfer(handle)
-        digest = checksum_blocks(source, block_ids) if state != "ERR" else ""  # while the write runs
+        digest = checksum_blocks(whole, block_ids) if state != "ERR" else ""  # while the write runs
         while state == "PROC" and time.monotonic() < deadline:
             time.sleep(_POLL_S)
             state = agent.check_xfer_state(handle)

@@ -1,5 +1,6 @@
 """The ``shm`` transport (same host, CPU): the decode worker's pool is a shared-memory file
-(``kvstore.shared_pool``); the prefill worker maps it once and writes the KV into it in place.
+(``kvstore.shared_pool``), or one file per tensor-parallel rank (``KVDestination.kv_heads``); the prefill
+worker maps them once and writes the KV into them in place, each file its heads (``kvstore.split_pool``).
 
 The lease check has already confirmed the file is a private pool file of that decode worker in this
 cluster's pool directory. The mapping pins the pool's whole size in memory even after the file is removed,
@@ -8,26 +9,31 @@ so the prefill worker drops it once the file is gone (``gone``): the decode work
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from pathlib import Path
 
-import torch
-
-from kvstore.kv_cache import KVCache, KVCacheSpec
+from kvstore.kv_cache import KVCacheSpec
+from kvstore.shared_pool import map_pool_file
+from kvstore.split_pool import SplitPool
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from transfer.backend import Backend
 from transfer.interface import InPlaceTransport, Origin
 
 
-def open_shared_pool(spec: KVCacheSpec, num_blocks: int, path: str | Path) -> KVCache:
-    """Map another process's pool file; writes go straight into that process's memory. ``ValueError`` when
-    the file's size is not that of ``num_blocks`` blocks of ``spec``."""
-    nbytes = spec.total_bytes(num_blocks)
-    actual = os.stat(path).st_size
-    if actual != nbytes:
-        raise ValueError(f"shared KV pool {path} has {actual} bytes, expected {nbytes}: layouts differ")
-    buffer = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-    return KVCache(spec, num_blocks, "cpu", buffer=buffer)
+def dest_parts(dest: pb.KVDestination, spec: KVCacheSpec) -> list[tuple[KVCacheSpec, str]]:
+    """Each part of ``dest``'s pool (its spec and file): one, or one per tensor-parallel rank (``kv_heads``);
+    ``ValueError`` when the layout cannot be mapped onto ``spec`` (the unsplit pool's)."""
+    if not dest.kv_heads:
+        return [(spec, dest.shm_path)]
+    try:
+        heads = [int(h) for h in dest.kv_heads.split(",")]
+    except ValueError:
+        heads = []
+    if not heads or min(heads) < 1 or sum(heads) != spec.num_kv_heads or len(dest.part_shm_paths) != len(heads) - 1:
+        raise ValueError(f"the destination's KV heads {dest.kv_heads!r} (with {len(dest.part_shm_paths)} part "
+                         f"files) cannot be mapped onto this model's {spec.num_kv_heads} KV heads")  # fmt: skip
+    paths = [dest.shm_path, *dest.part_shm_paths]
+    return [(dataclasses.replace(spec, num_kv_heads=h), path) for h, path in zip(heads, paths, strict=True)]
 
 
 class ShmTransport(InPlaceTransport):
@@ -35,9 +41,9 @@ class ShmTransport(InPlaceTransport):
 
     backend = Backend.SHM
 
-    def __init__(self, worker_id: str, pool: KVCache, file: int) -> None:
+    def __init__(self, worker_id: str, pool: SplitPool, files: list[int]) -> None:
         super().__init__(worker_id, pool)
-        self._file = file
+        self._files = files
 
     @staticmethod
     def key(dest: pb.KVDestination) -> str:
@@ -45,19 +51,23 @@ class ShmTransport(InPlaceTransport):
 
     @classmethod
     def open(cls, dest: pb.KVDestination, origin: Origin) -> ShmTransport:
-        file = os.open(dest.shm_path, os.O_RDONLY | os.O_CLOEXEC)
+        files, parts = [], []
         try:
-            pool = open_shared_pool(origin.spec, dest.num_blocks, dest.shm_path)
-            held, mapped = os.fstat(file), os.stat(dest.shm_path)
-            if (held.st_dev, held.st_ino) != (mapped.st_dev, mapped.st_ino):
-                raise ValueError(f"{dest.shm_path} was replaced while it was being mapped")
+            for spec, path in dest_parts(dest, origin.spec):
+                files.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+                parts.append(map_pool_file(spec, dest.num_blocks, path))
+                held, mapped = os.fstat(files[-1]), os.stat(path)
+                if (held.st_dev, held.st_ino) != (mapped.st_dev, mapped.st_ino):
+                    raise ValueError(f"{path} was replaced while it was being mapped")
         except BaseException:
-            os.close(file)
+            for file in files:
+                os.close(file)
             raise
-        return cls(dest.worker_id, pool, file)
+        return cls(dest.worker_id, SplitPool(parts), files)
 
     def gone(self) -> bool:
-        return os.fstat(self._file).st_nlink == 0
+        return any(os.fstat(file).st_nlink == 0 for file in self._files)
 
     def close(self) -> None:
-        os.close(self._file)
+        for file in self._files:
+            os.close(file)

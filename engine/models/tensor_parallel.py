@@ -58,6 +58,10 @@ class Group:
         self.seconds += time.perf_counter() - began
         return x
 
+    def barrier(self) -> None:
+        """Returns once every rank has called it."""
+        _wait(self.process_group.barrier(), "barrier")
+
     def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's ``x`` (all of one shape), in rank order, on rank 0; None on the others."""
         options = dist.GatherOptions()

@@ -36,13 +36,12 @@ TRANSPORTS = ("shm", "grpc", "nixl", "tcp")  # tcp: the link's reference with --
 
 def _shm(source, spec, num_blocks, blocks, repeats: int) -> list[float]:
     from kvstore.kv_cache import copy_blocks
-    from kvstore.shared_pool import create_shared_pool
+    from kvstore.shared_pool import create_shared_pool, map_pool_file
     from transfer.blocks import checksum_blocks
-    from transfer.shm import open_shared_pool
 
     _, path = create_shared_pool(spec, num_blocks, "bench")
     try:
-        mapped = open_shared_pool(spec, num_blocks, path)
+        mapped = map_pool_file(spec, num_blocks, path)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()

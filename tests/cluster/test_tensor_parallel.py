@@ -67,36 +67,71 @@ def test_bench_tp_runs_both_sides_on_the_same_requests():
     assert 0 < row["collectives share"] < 1
 
 
-def test_kvserve_up_serves_a_decode_worker_split_over_two_ranks(tmp_path, engine_prompts):
-    """``kvserve up --prefill 0 --decode-tp 2``: the decode worker prefills and decodes over its two ranks, and
-    concurrent requests get the offline engine's tokens. Disaggregated with it, it is refused before anything
-    starts (a prefill worker's hand-off moves one rank's KV: not yet)."""
+def _cross_tp_cluster(tmp_path, engine_prompts, prefill_tp: int, decode_tp: int, transport: str) -> None:
+    """1P + 1D at these TP sizes, ``transport`` forced: 12 concurrent greedy requests whose KV every one crosses
+    from the prefill worker's split to the decode worker's (each decode rank's heads from the prefill ranks that
+    hold them) get the offline engine's tokens; the decode worker checks each hand-off's checksum (over every
+    rank's part) before decoding, and a mismatch would fall back to prefilling locally, which this asserts
+    never happened."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from cluster_utils import discard
+    from cluster_utils import cluster, discard, prometheus_values
 
     from kvserve.client import Client
-    from kvserve.launcher.cluster import free_base_port, start_cluster
-    from kvserve.launcher.plan import plan_cluster
-    from kvserve.settings import parse_up
 
-    argv = ["--num-blocks", "128", "--log-dir", str(tmp_path), "--http-port", "0"]
-    with pytest.raises(ValueError, match="--decode-tp 2 with --prefill 1: .* use --prefill 0"):
-        plan_cluster(parse_up([*argv, "--decode-tp", "2"]))
-    with pytest.raises(ValueError, match="--prefill-tp 2: prefill workers split over ranks cannot hand"):
-        plan_cluster(parse_up([*argv, "--prefill-tp", "2", "--prefill", "1", "--decode", "0"]))
-    prompts = [engine_prompts[i][:n] for i, n in ((0, 9), (1, 33), (2, 20), (3, 41), (4, 12), (5, 27))]
+    text = engine_prompts[6]  # 170 tokens: 12 prompts of 5 to 70 from it, at different offsets
+    prompts = [text[7 * i : 7 * i + n] for i, n in enumerate((9, 33, 20, 41, 12, 27, 60, 17, 35, 48, 5, 70))]
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    want = [o.token_ids for o in LLM("default", num_blocks=128).generate(prompts, greedy)]
-    c = start_cluster(parse_up([*argv, "--prefill", "0", "--decode-tp", "2", "--port", str(free_base_port())]))
+    want = [o.token_ids for o in LLM("default", num_blocks=160).generate(prompts, greedy)]
+    c = cluster(1, 1, tmp_path, decode_argv=["--kv-transport", transport],
+                engine_argv=["--model", "default", "--num-blocks", "160", "--prefill-tp", str(prefill_tp),
+                             "--decode-tp", str(decode_tp)])  # fmt: skip
     try:
-        with Client(c.endpoint, timeout_s=60) as client, ThreadPoolExecutor(6) as pool:
+        with Client(c.endpoint, timeout_s=90) as client, ThreadPoolExecutor(12) as pool:
             results = list(pool.map(lambda p: client.generate(p, temperature=0, max_tokens=10, ignore_eos=True),
                                     prompts))  # fmt: skip
+        handed = prometheus_values(c.child("decode-0").metrics_url, "kvserve_kv_transfer_bytes_total")
     finally:
         discard(c)
     assert [r.token_ids for r in results] == want
-    assert "tensor parallel: 2 ranks (gloo)" in (tmp_path / "decode-0.log").read_text()
+    assert {r.transfer_backend for r in results} == {transport}, [r.transfer_backend for r in results]
+    assert handed.get(f'backend="{transport}"', 0) > 0, handed
+    for role, size in (("prefill", prefill_tp), ("decode", decode_tp)):
+        log = (tmp_path / f"{role}-0.log").read_text()
+        assert ("tensor parallel: 2 ranks (gloo)" in log) == (size == 2)
+    assert "checksum" not in (tmp_path / "decode-0.log").read_text().lower()
+
+
+def test_a_prefill_worker_at_tp2_hands_its_kv_to_a_decode_worker_at_tp1(tmp_path, engine_prompts):
+    _cross_tp_cluster(tmp_path, engine_prompts, 2, 1, "shm")
+
+
+def test_a_prefill_worker_at_tp1_hands_its_kv_to_a_decode_worker_at_tp2(tmp_path, engine_prompts):
+    _cross_tp_cluster(tmp_path, engine_prompts, 1, 2, "shm")
+
+
+# on demand (~50 s, two clusters): pytest -m soak tests/cluster/test_tensor_parallel.py
+@pytest.mark.soak
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_kv_crosses_tp_sizes_over_grpc(tmp_path, engine_prompts, prefill_tp, decode_tp):
+    _cross_tp_cluster(tmp_path, engine_prompts, prefill_tp, decode_tp, "grpc")
+
+
+def test_a_gpu_host_refuses_split_workers_beside_prefill_workers(monkeypatch):
+    """On a GPU host each rank's KV is in its own GPU, out of the hand-off's reach: a split worker with
+    prefill workers is refused before anything starts, naming the flag; ``--prefill 0`` is not."""
+    import torch
+
+    from kvserve.launcher.plan import plan_cluster
+    from kvserve.settings import parse_up
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="--decode-tp 2 with --prefill 1 on a GPU host"):
+        plan_cluster(parse_up(["--decode-tp", "2"]))
+    with pytest.raises(ValueError, match="--prefill-tp 2 with --prefill 1 on a GPU host"):
+        plan_cluster(parse_up(["--prefill-tp", "2"]))
+    plan_cluster(parse_up(["--decode-tp", "2", "--prefill", "0"]))
+    plan_cluster(parse_up(["--decode-tp", "2", "--device", "cpu"]))
 
 
 def _rank_pids(worker_pid: int) -> list[int]:

@@ -17,10 +17,9 @@ from handoff_testing import RemoteLoads, drain
 
 from engine import LLM, LLMEngine
 from engine.kv_connector import TRANSFER_EXPIRED
-from kvstore import KVCache
-from kvstore import kv_cache as kv_cache_module
-from kvstore.kv_cache import copy_blocks
+from kvstore import KVCache, split_pool
 from kvstore.prefix_hash import block_hashes
+from kvstore.split_pool import SplitPool
 from prefill_service.handoff import Handoff, HandoffConnector
 from transfer.blocks import read_blocks
 
@@ -30,7 +29,7 @@ NUM_BLOCKS = 64
 def _engine(connector=None, **options) -> LLMEngine:
     engine = LLM("default", block_size=BLOCK_SIZE, **{"num_blocks": NUM_BLOCKS, **options}).engine
     if connector == "handoff":
-        engine.connect(HandoffConnector(engine.runner.kv_cache.layers, BLOCK_SIZE))
+        engine.connect(HandoffConnector(engine.runner.kv_pool, BLOCK_SIZE))
     elif connector is not None:
         engine.connect(connector)
     return engine
@@ -80,7 +79,7 @@ def test_a_remote_load_reuses_cached_blocks_and_a_failed_load_caches_nothing(eng
     table, num_cached = _reserve(decode, loads, "r1", p[6])
     assert num_cached == 0 and len(table) == 11
     assert decode.cached_block_hashes() == []  # blocks waiting for remote KV are not findable
-    first, _ = _prefill_into(prefill, p[6], Handoff(decode.runner.kv_cache.layers, table, BLOCK_SIZE))
+    first, _ = _prefill_into(prefill, p[6], Handoff(decode.runner.kv_pool, table, BLOCK_SIZE))
     loads.finish("r1", first)
     assert drain(decode)["r1"].token_ids == hf_greedy[6]
     assert set(block_hashes(p[6], BLOCK_SIZE, decode.prefix_salt)) <= set(decode.cached_block_hashes())
@@ -105,7 +104,7 @@ def test_prefill_writes_exactly_the_blocks_the_destination_lacks(engine_prompts,
     destination.buffer.fill_(0x5A)
     table = [15, 3, 9, 0, 12, 5, 1, 14, 7, 10, 2]
     held = read_blocks(destination, table[:4])  # the destination's own 64 cached tokens
-    _prefill_into(prefill, prompt, Handoff(destination.layers, table, BLOCK_SIZE, num_held_tokens=64))
+    _prefill_into(prefill, prompt, Handoff(destination, table, BLOCK_SIZE, num_held_tokens=64))
     assert read_blocks(destination, table[:4]) == held  # never written: others may be reading them
     _, (reference,) = _cold_prefill(cold, prompt, slice(4, 10))
     # Bit-equal: tokens 64..160 were computed (or copied from blocks computed) by a prefill of the whole prompt in
@@ -125,7 +124,7 @@ def test_a_prefill_reads_the_destinations_cached_prefix_instead_of_computing_it(
     prefill = _engine("handoff", enable_prefix_caching=own_cached is not None)
     if own_cached:
         _warm(prefill, prompt[:own_cached] + engine_prompts[0])  # it holds the first 2 blocks itself
-    handoff = Handoff(decode.runner.kv_cache.layers, table, BLOCK_SIZE, num_cached, readable=True)
+    handoff = Handoff(decode.runner.kv_pool, table, BLOCK_SIZE, num_cached, readable=True)
     rid = prefill.add_request(prompt, greedy(1), kv_params=handoff)
     out = drain(prefill)[rid]
     own = own_cached or 0
@@ -167,7 +166,7 @@ def test_a_preempted_prefill_reads_the_destinations_prefix_again(engine_prompts,
     prefill = _engine("handoff", num_blocks=12, max_num_batched_tokens=32, enable_prefix_caching=False,
                       preemption_mode="recompute")
     neighbour = prefill.add_request(engine_prompts[1], greedy(40))
-    handoff = Handoff(decode.runner.kv_cache.layers, table, BLOCK_SIZE, num_cached, readable=True)
+    handoff = Handoff(decode.runner.kv_pool, table, BLOCK_SIZE, num_cached, readable=True)
     held = read_blocks(decode.runner.kv_cache, table[:4])
     rid = prefill.add_request(prompt, greedy(1), kv_params=handoff)
     outs = drain(prefill)
@@ -184,7 +183,7 @@ def test_a_preempted_prefill_reads_the_destinations_prefix_again(engine_prompts,
 
 
 def test_a_handoff_checks_its_held_prefix(cold):
-    layers = cold.runner.kv_cache.layers
+    layers = cold.runner.kv_cache
     for bad in (8, -16):
         with pytest.raises(ValueError, match="num_held_tokens"):
             Handoff(layers, list(range(11)), BLOCK_SIZE, num_held_tokens=bad)
@@ -199,8 +198,8 @@ def test_a_copy_stops_layer_by_layer_at_its_deadline(monkeypatch, cold):
     src.buffer.fill_(7)
     dst = KVCache(cold.runner.kv_spec, 4, "cpu")
     ticks = iter(range(100))
-    monkeypatch.setattr(kv_cache_module.time, "monotonic", lambda: next(ticks))
-    assert not copy_blocks(src.layers, [1, 2], dst.layers, [0, 3], until=3)
+    monkeypatch.setattr(split_pool.time, "monotonic", lambda: next(ticks))
+    assert not split_pool.copy_blocks(SplitPool([src]), [1, 2], SplitPool([dst]), [0, 3], until=3)
     written = [bool(layer.k_cache.abs().sum()) for layer in dst.layers]
     assert written == [i < 3 for i in range(len(dst.layers))]
 
@@ -210,7 +209,7 @@ def test_a_step_past_the_deadline_writes_nothing_there_and_caches_nothing(engine
     prompt = engine_prompts[5]
     dest = KVCache(engine.runner.kv_spec, 64, "cpu")
     table = list(range(engine.block_manager.num_blocks_for(len(prompt))))
-    _, out = _prefill_into(engine, prompt, Handoff(dest.layers, table, BLOCK_SIZE, deadline=time.monotonic() - 1))
+    _, out = _prefill_into(engine, prompt, Handoff(dest, table, BLOCK_SIZE, deadline=time.monotonic() - 1))
     assert out.finish_reason == TRANSFER_EXPIRED and out.token_ids == []
     assert not any(layer.k_cache.abs().sum() for layer in dest.layers)
     assert engine.cached_block_hashes() == []

@@ -193,14 +193,14 @@ def test_the_handoff_carries_a_prompt_within_the_window_and_a_longer_one_is_comp
     loads = RemoteLoads()
     decode, prefill = tiny_llm(tiny_dir).engine, tiny_llm(tiny_dir).engine
     decode.connect(loads)
-    prefill.connect(HandoffConnector(prefill.runner.kv_cache.layers, TINY_BLOCK))
+    prefill.connect(HandoffConnector(prefill.runner.kv_pool, TINY_BLOCK))
     decode.add_request(short, params, "short", kv_params="remote")
     decode.add_request(long, params, "long", kv_params="remote")
     decode.step()
     assert set(decode.scheduler.waiting_for_kv) == {"short"}  # "long" is computed here
     table, _ = loads.tables["short"]
     rid = prefill.add_request(short, SamplingParams(**{**vars(params), "max_tokens": 1}),
-                              kv_params=Handoff(decode.runner.kv_cache.layers, table, TINY_BLOCK))  # fmt: skip
+                              kv_params=Handoff(decode.runner.kv_pool, table, TINY_BLOCK))  # fmt: skip
     first = drain(prefill)[rid].token_ids[0]
     loads.finish("short", first)
     final = drain(decode)

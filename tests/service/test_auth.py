@@ -22,14 +22,13 @@ from cluster_state.registry import Registry
 from decode_service.worker import DecodeWorker
 from engine import LLMEngine
 from kvserve.launcher.redis_server import EmbeddedRedis
-from kvstore.shared_pool import pool_dir
+from kvstore.shared_pool import map_pool_file, pool_dir
 from prefill_service.worker import PrefillWorker
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc.loop import AsyncioThread
 from security.auth import Security
 from transfer.blocks import checksum, checksum_blocks
-from transfer.shm import open_shared_pool
 
 NUM_BLOCKS = 64
 
@@ -145,7 +144,7 @@ def test_kv_writes_need_a_lease_and_a_concurrent_request_stays_exact(cluster, en
     decode, prefill = cluster
     targets = list(range(NUM_BLOCKS - 4, NUM_BLOCKS))  # what the hostile calls aim at; the victim uses low blocks
     # an independent read of the victim's pool
-    victim_view = open_shared_pool(decode.engine.runner.kv_spec, NUM_BLOCKS, decode.connector.pool.shm_path)
+    victim_view = map_pool_file(decode.engine.runner.kv_spec, NUM_BLOCKS, decode.connector.pool.shm_path)
     before = checksum_blocks(victim_view, targets)
     served: list[int] = []
     request = pb.DecodeRequest(request_id="victim", prompt_token_ids=engine_prompts[6],

@@ -70,7 +70,7 @@ class SlowStep:
 
 def _engine() -> LLMEngine:
     engine = LLMEngine(model="default", num_blocks=64, block_size=16, enforce_eager=True)
-    engine.connect(HandoffConnector(engine.runner.kv_cache.layers, 16))
+    engine.connect(HandoffConnector(engine.runner.kv_pool, 16))
     return engine
 
 
@@ -78,7 +78,7 @@ def _with_destination(engine: LLMEngine, prompt: list[int], deadline: float, **o
     """Prefill ``prompt`` for a destination pool (zeros) through blocks 0.., writing until ``deadline``."""
     dest = KVCache(engine.runner.kv_spec, 64, engine.runner.device)
     table = list(range(engine.block_manager.num_blocks_for(len(prompt))))
-    engine.add_request(prompt, greedy(1), "dest", kv_params=Handoff(dest.layers, table, 16, deadline=deadline,
+    engine.add_request(prompt, greedy(1), "dest", kv_params=Handoff(dest, table, 16, deadline=deadline,
                                                                    **options))  # fmt: skip
     [out] = engine.step()
     engine.release("dest")
@@ -109,7 +109,7 @@ def test_a_destination_prefix_is_cached_only_when_read_before_the_deadline(engin
     reader = _engine()
     for deadline, expected in [(time.monotonic() - 1, TRANSFER_EXPIRED), (time.monotonic() + 60, "length")]:
         table = list(range(engine.block_manager.num_blocks_for(len(prompt))))
-        handoff = Handoff(dest.layers, table, 16, num_held_tokens=160, readable=True, deadline=deadline)
+        handoff = Handoff(dest, table, 16, num_held_tokens=160, readable=True, deadline=deadline)
         reader.add_request(prompt, greedy(1), "r", kv_params=handoff)
         [out] = reader.step()
         reader.release("r")

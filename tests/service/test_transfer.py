@@ -38,7 +38,7 @@ def _mapped_file(address: int) -> str | None:
 @pytest.fixture(scope="module")
 def prefill_engine():
     engine = LLMEngine(model="default", num_blocks=64, block_size=16)
-    engine.connect(HandoffConnector(engine.runner.kv_cache.layers, engine.config.block_size))
+    engine.connect(HandoffConnector(engine.runner.kv_pool, engine.config.block_size))
     return engine
 
 
@@ -49,12 +49,12 @@ def test_shm_prefill_writes_straight_into_the_decode_pool(prefill_engine, engine
         dest = pb.KVDestination(backend="shm", worker_id="test-decode", shm_path=str(path), num_blocks=48)
         transport = ShmTransport.open(dest, Origin(spec, "fp", "prefill-t", TEST_SECURITY))
         # no intermediate buffer: the views the engine writes into are a mapping of the decode pool's file
-        assert _mapped_file(transport.pool.layers[7].v_cache.data_ptr()) == str(path)
+        assert _mapped_file(transport.pool.parts[0].layers[7].v_cache.data_ptr()) == str(path)
         prompt = engine_prompts[6]  # 170 tokens, 11 blocks
         dst_blocks = [47, 3, 20, 5, 9, 40, 11, 30, 2, 44, 17]
         before = checksum_blocks(decode_pool, dst_blocks)
         rid = prefill_engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1),
-                                         kv_params=Handoff(transport.pool.layers, dst_blocks, 16))  # fmt: skip
+                                         kv_params=Handoff(transport.pool, dst_blocks, 16))  # fmt: skip
         while prefill_engine.has_unfinished_requests():
             prefill_engine.step()
         src_blocks = prefill_engine.block_manager.block_table(rid)
