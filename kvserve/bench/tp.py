@@ -2,6 +2,7 @@
 
     kvserve bench tp [--model default] [--tp 2] [--batch-sizes 1,16] [--prompt-len 128] [--max-tokens 32]
         [--rounds 2]
+    kvserve bench tp --handoff 16,128 [--tp 2]     (the shm hand-off's copy between splits; ``handoff``)
 
 Two engines of the same model in one process: one rank with every core's thread, and ``--tp`` ranks (rank 0
 here, the others processes of their own) with cores / tp threads each, so both sides use the same cores.
@@ -64,6 +65,53 @@ def run(model: str, tp: int, batch_sizes: list[int], prompt_len: int, max_tokens
     return rows
 
 
+def handoff(model: str, tp: int, num_blocks: list[int], rounds: int) -> list[dict]:
+    """The shm hand-off's copy (``kvstore.split_pool.copy_blocks``, what a prefill worker does into a decode
+    worker's mapped pool) of ``num_blocks`` scattered blocks of ``model``'s KV, between each pair of splits (one
+    rank, or ``tp`` ranks' parts as ``Shard`` splits the heads), against the same-TP copy of one rank, the two
+    alternated; milliseconds are the median over ``rounds``."""
+    import dataclasses
+
+    from engine.bundled import resolve_model
+    from engine.config import EngineConfig
+    from engine.model_config import ModelConfig
+    from engine.models.tensor_parallel import Shard
+    from engine.tensor_parallel_ranks import kv_spec
+    from kvstore import KVCache
+    from kvstore.split_pool import SplitPool, copy_blocks
+
+    config = ModelConfig.from_dir(resolve_model(model))
+    spec = kv_spec(config, EngineConfig(model=model), torch.float32)
+    pool_blocks = 4 * max(num_blocks)
+
+    def pool(ranks: int) -> SplitPool:
+        heads = [Shard.of(config, rank, ranks).config().num_kv_heads for rank in range(ranks)]
+        parts = [KVCache(dataclasses.replace(spec, num_kv_heads=h), pool_blocks, "cpu") for h in heads]
+        for part in parts:
+            part.buffer.fill_(1)  # (every page touched before timing)
+        return SplitPool(parts)
+
+    pairs = {"1 -> 1": (1, 1), f"{tp} -> 1": (tp, 1), f"1 -> {tp}": (1, tp), f"{tp} -> {tp}": (tp, tp)}
+    pools = {name: (pool(a), pool(b)) for name, (a, b) in pairs.items()}
+    rows = []
+    for n in num_blocks:
+        rng = random.Random(n)
+        times: dict[str, list[float]] = {name: [] for name in pairs}
+        for r in range(rounds):
+            src, dst = rng.sample(range(pool_blocks), n), rng.sample(range(pool_blocks), n)
+            for name in list(pairs) if r % 2 == 0 else list(reversed(pairs)):
+                source, target = pools[name]
+                began = time.perf_counter()
+                copy_blocks(source, src, target, dst)
+                times[name].append((time.perf_counter() - began) * 1e3)
+        same = statistics.median(times["1 -> 1"])
+        mib = n * spec.bytes_per_block() / 2**20
+        rows.append({"blocks": n, "MiB": round(mib, 1)} | {
+            f"{name} ms": f"{statistics.median(t):.2f} ({statistics.median(t) / same:.2f}x)"
+            for name, t in times.items()})  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvserve bench tp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -73,7 +121,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--handoff", default="", metavar="BLOCKS",
+                        help="instead: the shm hand-off's copy of these many blocks (comma-separated) between "
+                        "splits, against the same-TP copy")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.handoff:
+        rows = handoff(args.model, args.tp, [int(b) for b in args.handoff.split(",")], max(3, args.rounds))
+        print(f"shm hand-off copy between KV splits ({args.tp} ranks as Shard splits the heads), scattered blocks, "
+              f"{torch.get_num_threads()} threads; in brackets: against the same-TP copy of one rank")  # fmt: skip
+        print(report.table(list(rows[0]), [list(row.values()) for row in rows]))
+        return
     rows = run(args.model, args.tp, [int(b) for b in args.batch_sizes.split(",")], args.prompt_len,
                args.max_tokens, args.rounds)  # fmt: skip
     print(f"tensor parallel: {args.tp} ranks against 1 on this host ({torch.get_num_threads()} threads in all), "
