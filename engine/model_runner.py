@@ -38,7 +38,7 @@ from kvkernels import cpu_decode
 from kvstore import KVCache
 from kvstore.private_dir import private_dir
 from kvstore.ring import RingSpec
-from kvstore.shared_pool import create_part_files, create_shared_pool, map_pool_file
+from kvstore.shared_pool import create_shared_pool
 from kvstore.split_pool import SplitPool
 
 log = logging.getLogger(__name__)
@@ -75,8 +75,8 @@ class ModelRunner:
             self.ranks = Ranks(model_path, model_config, config, self.dtype, self.device)
             local = shard.config()
         # what each rank holds, advertised by a worker ("2,1"); '' on one device
-        self.kv_heads = ",".join(str(Shard.of(model_config, rank, config.tensor_parallel_size).config().num_kv_heads)
-                                 for rank in range(config.tensor_parallel_size)) if self.ranks is not None else ""
+        self.kv_heads = "" if self.ranks is None else ",".join(
+            str(spec.num_kv_heads) for spec in [kv_spec(local, config, self.dtype), *self.ranks.specs])
         try:
             self.model = load_model(model_path, model_config, self.dtype, self.device, shard,
                                     self.ranks.group if self.ranks is not None else None)  # fmt: skip
@@ -102,7 +102,7 @@ class ModelRunner:
         # pool file mapped here too, so that a worker's KV hand-off moves all heads; None under NCCL ranks
         self.kv_pool: SplitPool | None = SplitPool([self.kv_cache])
         if self.ranks is not None:
-            self.kv_pool = self._allocate_ranks(model_config, config, num_blocks)
+            self.kv_pool = self._allocate_ranks(config, num_blocks)
         if self.device.type == "cpu":
             packed = pack_for_onednn(self.model)
             if packed:
@@ -141,22 +141,18 @@ class ModelRunner:
                 with torch.inference_mode():
                     self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.decode_inputs, self.device)
 
-    def _allocate_ranks(self, model_config: ModelConfig, config: EngineConfig, num_blocks: int) -> SplitPool | None:
-        """Every rank's part of the pool: on the CPU in pool files (``create_part_files``) that this process
-        maps too, kept while the pool is shared (our part is a file: prefill workers map them all), removed once
-        the ranks have mapped them otherwise; on CUDA in each rank's GPU (None: this process sees its own)."""
-        if self.device.type != "cpu":
-            self.ranks.allocate(num_blocks, [])
+    def _allocate_ranks(self, config: EngineConfig, num_blocks: int) -> SplitPool | None:
+        """Every rank's part of the pool: on the CPU in pool files this process maps too, kept while the pool is
+        shared (our part is a file: prefill workers map them all), removed at once otherwise; on CUDA in each
+        rank's GPU (None: this process sees its own part only)."""
+        parts, paths = self.ranks.allocate(num_blocks, config.shared_kv_name or "engine")
+        if not parts:
             return None
-        size = config.tensor_parallel_size
-        specs = [kv_spec(Shard.of(model_config, rank, size).config(), config, self.dtype) for rank in range(1, size)]
-        self.kv_part_paths = create_part_files(specs, num_blocks, config.shared_kv_name or "engine")
-        self.ranks.allocate(num_blocks, [str(p) for p in self.kv_part_paths])
-        parts = [map_pool_file(spec, num_blocks, path) for spec, path in zip(specs, self.kv_part_paths, strict=True)]
         if self.kv_pool_path is None:  # nobody else maps them: the mappings hold the memory from now on
-            for path in self.kv_part_paths:
+            for path in paths:
                 path.unlink(missing_ok=True)
-            self.kv_part_paths = []
+        else:
+            self.kv_part_paths = paths
         return SplitPool([self.kv_cache, *parts])
 
     def close(self) -> None:
@@ -272,14 +268,10 @@ class ModelRunner:
 
 
 def _check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
-    """Refuse, naming the options, what tensor parallelism does not run with yet (each rank's KV would have to
-    move too): the disk tier; more ranks than GPUs."""
+    """Refuse, naming the option, more ranks than GPUs."""
     size = config.tensor_parallel_size
     if device.type == "cuda" and size > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; this machine has {torch.cuda.device_count()}")
-    if config.disk_kv_cache_dir:
-        raise ValueError(f"tensor_parallel_size={size} with a disk KV tier (disk_kv_cache_dir) is not supported "
-                         "yet: each rank would need its own files")  # fmt: skip
 
 
 def prepare_cpu_decode() -> bool:

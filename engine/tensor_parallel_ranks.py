@@ -39,7 +39,7 @@ from engine.models.tensor_parallel import Group, RankLost, Shard, gather_logits
 from kvstore import KVCache, KVCacheSpec
 from kvstore.block_copier import BlockCopier
 from kvstore.host_tier import HostTier
-from kvstore.shared_pool import map_pool_file
+from kvstore.shared_pool import create_part_files, map_pool_file
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,9 @@ class Ranks:
     def __init__(self, path: Path, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype,
                  device: torch.device) -> None:  # fmt: skip
         self.size = config.tensor_parallel_size
+        self.on_cpu = device.type == "cpu"
+        self.specs = [kv_spec(Shard.of(model_config, rank, self.size).config(), config, dtype)
+                      for rank in range(1, self.size)]  # the KV pools of ranks 1..  # fmt: skip
         port = _free_port()
         threads = max(1, torch.get_num_threads() // self.size) if device.type == "cpu" else 1
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # (this process's imports)
@@ -124,18 +127,37 @@ class Ranks:
         pickle.dump(message, process.stdin, protocol=pickle.HIGHEST_PROTOCOL)
         process.stdin.flush()
 
-    def allocate(self, num_blocks: int, paths: list[str]) -> None:
-        """Every rank allocates its part of a pool of ``num_blocks`` blocks (rank 0 chose the number): in its
-        pool file ``paths[rank - 1]`` (which rank 0 maps too), or in its own memory without ``paths``. Returns
-        once every rank has its part (a barrier: rank 0 may remove the files then)."""
-        self.send("allocate", (num_blocks, paths))
-        self.group.barrier()
+    def allocate(self, num_blocks: int, name: str) -> tuple[list[KVCache], list[Path]]:
+        """Every rank allocates its part of a pool of ``num_blocks`` blocks (rank 0 chose the number). On the CPU
+        each in a pool file named for ``name`` (``create_part_files``) that this process maps too: returns those
+        parts and their files, which the caller removes once nobody else will map them. On CUDA each in its own
+        GPU, out of this process's reach: ``([], [])``."""
+        return self._parts("allocate", num_blocks, name)
 
-    def host_tier(self, num_slots: int, copier: BlockCopier) -> ShardedCopier:
-        """Every rank keeps a host tier of ``num_slots`` slots for its heads; rank 0's copies go through the
-        ``ShardedCopier`` returned, which makes each on every rank too."""
-        self.send("host_tier", num_slots)
-        return ShardedCopier(copier, self)
+    def host_tier(self, num_slots: int, copier: BlockCopier, name: str) -> tuple[ShardedCopier, list[KVCache]]:
+        """Every rank keeps a host tier of ``num_slots`` slots for its heads, on the CPU in a pool file this process
+        maps too (the disk tier below reads and writes whole heads: the parts are returned; ``[]`` on CUDA);
+        rank 0's copies go through the ``ShardedCopier`` returned, which makes each on every rank too."""
+        parts, paths = self._parts("host_tier", num_slots, f"{name}-host")
+        for path in paths:  # (nobody else maps a host tier)
+            path.unlink(missing_ok=True)
+        return ShardedCopier(copier, self), parts
+
+    def _parts(self, op: str, num_blocks: int, name: str) -> tuple[list[KVCache], list[Path]]:
+        paths = create_part_files(self.specs, num_blocks, name) if self.on_cpu else []
+        try:
+            self.send(op, (num_blocks, [str(p) for p in paths]))
+            self.group.barrier()  # every rank has its part: the files may be removed from now on
+        except BaseException:
+            for path in paths:
+                path.unlink(missing_ok=True)
+            raise
+        return [map_pool_file(spec, num_blocks, p) for spec, p in zip(self.specs, paths, strict=True)], paths
+
+    def sync(self) -> None:
+        """Returns once every rank has run every plan sent so far, its copies included."""
+        self.send("sync", None)
+        self.group.barrier()
 
     def send(self, op: str, payload) -> None:
         for process in self._processes:
@@ -171,22 +193,30 @@ class ShardedCopier:
 
     def __init__(self, copier: BlockCopier, ranks: Ranks) -> None:
         self.copier, self.ranks = copier, ranks
+        self._unsynced = False  # copies sent to the ranks since they were last known done
 
     def to_host(self, views, block_ids, host, slots) -> None:
         if block_ids:
             self.ranks.send("to_host", (list(block_ids), list(slots)))
+            self._unsynced = True
         self.copier.to_host(views, block_ids, host, slots)
 
     def to_device(self, host, slots, views, block_ids) -> None:
         if block_ids:
             self.ranks.send("to_device", (list(slots), list(block_ids)))
+            self._unsynced = True
         self.copier.to_device(host, slots, views, block_ids)
 
     def wait_for_copies(self) -> None:
         self.copier.wait_for_copies()
 
     def synchronize(self) -> None:
+        """Every copy done, on every rank: before this process reads or writes their slots or blocks itself (the
+        disk tier, another worker reading the pool's parts)."""
         self.copier.synchronize()
+        if self._unsynced:
+            self.ranks.sync()
+            self._unsynced = False
 
 
 class ShardedModel:
@@ -244,8 +274,14 @@ def _rank_main(plans, path: Path, model_config: ModelConfig, config: EngineConfi
                 kv = map_pool_file(spec, num_blocks, paths[rank - 1]) if paths else KVCache(spec, num_blocks, device)
                 group.barrier()
             elif op == "host_tier":
-                host = HostTier(kv.spec, payload, pin_memory=device.type == "cuda")
+                num_slots, paths = payload
+                mapped = map_pool_file(kv.spec, num_slots, paths[rank - 1]) if paths else None
+                host = HostTier(kv.spec, num_slots, pin_memory=device.type == "cuda", cache=mapped)
                 copier = BlockCopier(device)
+                group.barrier()
+            elif op == "sync":
+                copier.synchronize()
+                group.barrier()
             elif op == "to_host":  # (then ordered before this rank's next step, as the engine orders rank 0's)
                 copier.to_host(kv.layers, payload[0], host.views, payload[1])
                 copier.wait_for_copies()

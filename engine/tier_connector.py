@@ -23,7 +23,6 @@ miss (recompute), never wrong KV.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -32,19 +31,11 @@ from engine.kv_connector import KVConnector
 from engine.sequence import Sequence
 from kvstore import BlockManager, LayerKV
 from kvstore.block_copier import BlockCopier
-from kvstore.host_tier import HostTier, TierEntry, available_host_bytes
+from kvstore.host_tier import HostTier, TierEntry, host_tier_bytes
 from kvstore.prefix_hash import block_hashes
-
-log = logging.getLogger(__name__)
+from kvstore.split_pool import SplitPool
 
 SWAP_MIN_BLOCKS = 2  # ``auto``: shorter preempted sequences are recomputed
-
-# The host tier when host_kv_cache_gb is unset: twice the KV pool (SGLang HiCache's default ratio), at most
-# 4 GiB (vLLM's default swap space per GPU) and a quarter of the memory the host has available at start,
-# so that a machine of several workers keeps most of its memory.
-AUTO_HOST_RATIO = 2
-AUTO_HOST_MAX_BYTES = 4 << 30
-AUTO_HOST_AVAILABLE_SHARE = 0.25
 
 
 @dataclass
@@ -73,8 +64,10 @@ class _Plan:
 
 class TierConnector(KVConnector):
     def __init__(self, block_manager: BlockManager, device_views: list[LayerKV], host: HostTier, copier: BlockCopier,
-                 disk=None, preemption_mode: str = "auto", then_remote: bool = False) -> None:  # fmt: skip
+                 disk=None, preemption_mode: str = "auto", then_remote: bool = False,
+                 host_pool: SplitPool | None = None) -> None:  # fmt: skip
         self.block_manager = block_manager
+        self.host_pool = host_pool or SplitPool([host.cache])  # what the disk tier reads: every rank's part
         self.block_size = block_manager.block_size
         self.views = device_views
         self.host, self.copier, self.disk = host, copier, disk
@@ -226,7 +219,7 @@ class TierConnector(KVConnector):
         entry = self.host.add(block_hash, parent_hash, token_ids)
         if entry is None:
             return None
-        if not self.disk.load(block_hash, token_ids, parent_hash, self.host.views, entry.slot):
+        if not self.disk.load(block_hash, token_ids, parent_hash, self.host_pool, entry.slot):
             self.stats.corrupt += 1
             self.host.remove(entry)
             return None
@@ -236,7 +229,7 @@ class TierConnector(KVConnector):
         if self.disk is None:
             return
         self.copier.synchronize()  # its slot may still be arriving
-        self.disk.store(entry.block_hash, entry.parent_hash, entry.token_ids, self.host.views, entry.slot)
+        self.disk.store(entry.block_hash, entry.parent_hash, entry.token_ids, self.host_pool, entry.slot)
 
     def _drop_plan(self, seq_id: str) -> None:
         plan = self._plans.pop(seq_id, None)
@@ -250,53 +243,32 @@ class TierConnector(KVConnector):
             self.host.free_slots(swapped[0])
 
 
-def auto_host_bytes(pool_bytes: int, available: int | None) -> int:
-    """The host tier's size when the config leaves it unset (see ``AUTO_HOST_RATIO``)."""
-    nbytes = min(AUTO_HOST_RATIO * pool_bytes, AUTO_HOST_MAX_BYTES)
-    if available is not None:
-        nbytes = min(nbytes, int(available * AUTO_HOST_AVAILABLE_SHARE))
-    return nbytes
-
-
-def _host_tier_bytes(gb: float | None, pool_bytes: int, block: int) -> int:
-    """Bytes of the host tier: ``gb`` GiB as asked, or unset the automatic size (``auto_host_bytes``); 0 for
-    none. ValueError for an asked size that holds no block or is more than the memory available."""
-    available = available_host_bytes()
-    if gb is None:
-        nbytes = auto_host_bytes(pool_bytes, available)
-        if nbytes < block:
-            log.info("no host KV tier: too little host memory available for one block")
-            return 0
-        log.info("host KV tier: %.2f GiB (automatic: host_kv_cache_gb sets it, 0 turns it off)", nbytes / (1 << 30))
-        return nbytes
-    nbytes = int(gb * (1 << 30))
-    if nbytes and nbytes < block:
-        raise ValueError(f"host_kv_cache_gb={gb} holds no block: one block needs {block / (1 << 20):.2f} MiB")
-    if available is not None and nbytes > available:
-        raise ValueError(f"host_kv_cache_gb={gb} is more than this machine's available memory "
-                         f"({available / (1 << 30):.1f} GiB): lower it")  # fmt: skip
-    return nbytes
-
-
 def build_tiers(config, spec, device: torch.device, block_manager: BlockManager, views: list[LayerKV],
                 fingerprint: str, ranks=None) -> TierConnector | None:  # fmt: skip
     """The engine's memory tiers as its config asks, or None (no host tier); ValueError for a bad config. With
-    tensor-parallel ``ranks`` (``spec`` is rank 0's) each rank keeps as many slots, and every copy is made on each."""
+    tensor-parallel ``ranks`` (``spec`` is rank 0's) each rank keeps as many slots, every copy is made on each,
+    and the disk tier holds whole heads (``kvstore.split_pool``): files one TP size wrote serve another."""
     if config.disk_kv_cache_gb and not config.disk_kv_cache_dir:
         raise ValueError("disk_kv_cache_gb is set but disk_kv_cache_dir is not: name the directory for the disk tier")
     block = spec.bytes_per_block()
-    nbytes = _host_tier_bytes(config.host_kv_cache_gb, spec.total_bytes(block_manager.num_blocks), block)
+    nbytes = host_tier_bytes(config.host_kv_cache_gb, spec.total_bytes(block_manager.num_blocks), block)
     if not nbytes:
         if config.disk_kv_cache_dir:
             raise ValueError("disk_kv_cache_dir needs a host tier (the disk tier sits below it): host_kv_cache_gb=0 "
                              "turns it off, and unset it found too little memory available for one block")  # fmt: skip
         return None
     host = HostTier(spec, nbytes // block, pin_memory=device.type == "cuda")
+    copier, host_pool = BlockCopier(device), SplitPool([host.cache])
+    if ranks is not None:  # every rank's tier holds its heads; on the CPU this process maps them all
+        copier, parts = ranks.host_tier(host.num_slots, copier, config.shared_kv_name or "engine")
+        host_pool = SplitPool([host.cache, *parts]) if parts else None
     disk = None
     if config.disk_kv_cache_dir:
         from kvstore.disk_tier import DiskTier
 
-        disk = DiskTier(config.disk_kv_cache_dir, fingerprint, int(config.disk_kv_cache_gb * (1 << 30)), spec)
+        if host_pool is None:
+            raise ValueError("disk_kv_cache_dir with tensor_parallel_size > 1 on CUDA: the ranks' host tiers are out "
+                             "of this process's reach (on the CPU it works)")  # fmt: skip
+        disk = DiskTier(config.disk_kv_cache_dir, fingerprint, int(config.disk_kv_cache_gb * 2**30), host_pool.spec)
     block_manager.pool.record_evictions = True
-    copier = BlockCopier(device) if ranks is None else ranks.host_tier(host.num_slots, BlockCopier(device))
-    return TierConnector(block_manager, views, host, copier, disk, config.preemption_mode)
+    return TierConnector(block_manager, views, host, copier, disk, config.preemption_mode, host_pool=host_pool)

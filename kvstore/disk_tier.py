@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from kvstore import disk_format
-from kvstore.kv_cache import KVCache, KVCacheSpec, LayerKV, copy_blocks
+from kvstore.kv_cache import KVCache, KVCacheSpec
+from kvstore.split_pool import SplitPool, copy_blocks
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +118,10 @@ class DiskTier:
         with self._lock:
             return list(self._index)
 
-    def store(self, block_hash: str, parent_hash: str, token_ids: Sequence[int], layers: list[LayerKV],
+    def store(self, block_hash: str, parent_hash: str, token_ids: Sequence[int], pool: SplitPool | KVCache,
               block_id: int) -> bool:  # fmt: skip
-        """Hold block ``block_id`` of the pool ``layers`` under ``block_hash``. Its bytes are copied before this
+        """Hold block ``block_id`` of ``pool`` (every part's heads: a file holds whole heads, whatever the
+        tensor-parallel split that wrote it) under ``block_hash``. Its bytes are copied before this
         returns; the file is written in the background. A block already held is only touched, not rewritten.
         False when the block was dropped because ``max_pending_bytes`` are already waiting for the disk."""
         if not disk_format.BLOCK_NAME.fullmatch(block_hash):
@@ -133,7 +135,7 @@ class DiskTier:
                 log.debug("disk KV writes are %d B behind: block %s not stored", self._pending_bytes, block_hash)
                 return False
         payload = bytearray(self.payload_bytes)
-        copy_blocks(layers, [block_id], self._one_block(payload), [0])
+        copy_blocks(SplitPool.of(pool), [block_id], self._one_block(payload), [0])
         token_ids = tuple(token_ids)
         entry = _Entry(parent_hash, token_ids, disk_format.header_bytes(self.fingerprint, block_hash, parent_hash,
                                                              len(token_ids)) + len(payload), payload)  # fmt: skip
@@ -148,9 +150,9 @@ class DiskTier:
             self._trim()
         return True
 
-    def load(self, block_hash: str, token_ids: Sequence[int], parent_hash: str, layers: list[LayerKV],
+    def load(self, block_hash: str, token_ids: Sequence[int], parent_hash: str, pool: SplitPool | KVCache,
              block_id: int) -> bool:  # fmt: skip
-        """Write the held block into block ``block_id`` of the pool ``layers``; True when it did. False for a
+        """Write the held block into block ``block_id`` of ``pool`` (each part its heads); True when it did. False for a
         block not held under these tokens and parent, and for a file that fails any check (it is deleted)."""
         token_ids = tuple(token_ids)
         with self._lock:
@@ -170,7 +172,7 @@ class DiskTier:
                         self._evict(block_hash)
                 return False
             self._ops.put(("touch", block_hash, None))  # the mtime is the LRU order the next start rebuilds
-        copy_blocks(self._one_block(payload), [0], layers, [block_id])
+        copy_blocks(self._one_block(payload), [0], SplitPool.of(pool), [block_id])
         return True
 
     def take_events(self) -> tuple[list[str], list[str]]:
@@ -233,8 +235,8 @@ class DiskTier:
     def _path(self, block_hash: str) -> Path:
         return self.root / block_hash[:2] / block_hash
 
-    def _one_block(self, payload: bytearray) -> list[LayerKV]:
-        return KVCache(self.spec, 1, "cpu", buffer=torch.frombuffer(payload, dtype=torch.uint8)).layers
+    def _one_block(self, payload: bytearray) -> SplitPool:
+        return SplitPool([KVCache(self.spec, 1, "cpu", buffer=torch.frombuffer(payload, dtype=torch.uint8))])
 
     def _read(self, path: Path, block_hash: str, token_ids: tuple[int, ...], parent_hash: str) -> bytearray:
         with open(path, "rb") as f:

@@ -14,6 +14,7 @@ Moving blocks between the device pool and a tier is ``kvstore.block_copier``'s.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -22,6 +23,15 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.kv_cache import KVCache, KVCacheSpec
+
+log = logging.getLogger(__name__)
+
+# The host tier when host_kv_cache_gb is unset: twice the KV pool (SGLang HiCache's default ratio), at most
+# 4 GiB (vLLM's default swap space per GPU) and a quarter of the memory the host has available at start,
+# so that a machine of several workers keeps most of its memory.
+AUTO_HOST_RATIO = 2
+AUTO_HOST_MAX_BYTES = 4 << 30
+AUTO_HOST_AVAILABLE_SHARE = 0.25
 
 
 @dataclass(eq=False)
@@ -44,13 +54,17 @@ class HostTier:
     """
 
     def __init__(self, spec: KVCacheSpec, num_slots: int, *, pin_memory: bool = False,
-                 on_evict: Callable[[TierEntry], None] | None = None) -> None:  # fmt: skip
+                 on_evict: Callable[[TierEntry], None] | None = None,
+                 cache: KVCache | None = None) -> None:  # fmt: skip
+        """``cache``: the slots' memory when the caller has it (a tensor-parallel rank's pool file)."""
         if num_slots <= 0:
             raise ValueError(f"a host tier needs at least one block, got {num_slots}")
-        # empty, not zeros: a slot is read only after a copy wrote it, and untouched pages of an unpinned
-        # buffer take no memory, so a tier sized for the worst case costs only what it holds
-        buffer = torch.empty(spec.total_bytes(num_slots), dtype=torch.uint8, pin_memory=pin_memory)
-        self.cache = KVCache(spec, num_slots, "cpu", buffer=buffer)
+        if cache is None:
+            # empty, not zeros: a slot is read only after a copy wrote it, and untouched pages of an unpinned
+            # buffer take no memory, so a tier sized for the worst case costs only what it holds
+            buffer = torch.empty(spec.total_bytes(num_slots), dtype=torch.uint8, pin_memory=pin_memory)
+            cache = KVCache(spec, num_slots, "cpu", buffer=buffer)
+        self.cache = cache
         self.views = self.cache.layers
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: low slots first, often in runs
         self.entries: OrderedDict[str, TierEntry] = OrderedDict()  # LRU order: front is evicted first
@@ -160,3 +174,31 @@ def available_host_bytes() -> int | None:
     except (OSError, ValueError):
         pass
     return available
+
+
+def auto_host_bytes(pool_bytes: int, available: int | None) -> int:
+    """The host tier's size when the config leaves it unset (see ``AUTO_HOST_RATIO``)."""
+    nbytes = min(AUTO_HOST_RATIO * pool_bytes, AUTO_HOST_MAX_BYTES)
+    if available is not None:
+        nbytes = min(nbytes, int(available * AUTO_HOST_AVAILABLE_SHARE))
+    return nbytes
+
+
+def host_tier_bytes(gb: float | None, pool_bytes: int, block: int) -> int:
+    """Bytes of the host tier: ``gb`` GiB as asked, or unset the automatic size (``auto_host_bytes``); 0 for
+    none. ValueError for an asked size that holds no block or is more than the memory available."""
+    available = available_host_bytes()
+    if gb is None:
+        nbytes = auto_host_bytes(pool_bytes, available)
+        if nbytes < block:
+            log.info("no host KV tier: too little host memory available for one block")
+            return 0
+        log.info("host KV tier: %.2f GiB (automatic: host_kv_cache_gb sets it, 0 turns it off)", nbytes / (1 << 30))
+        return nbytes
+    nbytes = int(gb * (1 << 30))
+    if nbytes and nbytes < block:
+        raise ValueError(f"host_kv_cache_gb={gb} holds no block: one block needs {block / (1 << 20):.2f} MiB")
+    if available is not None and nbytes > available:
+        raise ValueError(f"host_kv_cache_gb={gb} is more than this machine's available memory "
+                         f"({available / (1 << 30):.1f} GiB): lower it")  # fmt: skip
+    return nbytes

@@ -232,3 +232,30 @@ def test_ngram_speculation_works_over_two_ranks(engine_prompts):
         assert llm.engine.speculator.stats.num_accepted > 0
     finally:
         llm.engine.close()
+
+
+def test_the_disk_tier_of_two_ranks_holds_whole_heads_that_one_device_reads_back(tmp_path, llm):
+    """A disk tier below the host tiers of two ranks: rank 0 writes each block's every head (its own host slot
+    and rank 1's, which it maps), so loaded back it gives one device's tokens, and an engine on one device
+    started on the same directory (the fingerprint names all heads, not the split) finds the blocks and gives
+    the same tokens."""
+    rng = random.Random(9)
+    prompts = [[rng.randrange(100, 40000) for _ in range(38)] for _ in range(5)]  # 11 blocks of 4 with answers
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(prompts, greedy)]
+    options = {"block_size": 4, "num_blocks": 24, "disk_kv_cache_dir": str(tmp_path / "kv"), "disk_kv_cache_gb": 0.1,
+               "host_kv_cache_gb": 6 * 30 * 2 * 4 * 3 * 64 * 4 / 2**30}  # 6 blocks of all heads (9 of rank 0's 2)
+    split = LLM("default", tensor_parallel_size=2, **options)
+    try:
+        for prompt, tokens in zip(prompts, want, strict=True):  # each pushes those before it down: 24, 9, disk
+            assert split.generate([prompt], greedy)[0].token_ids == tokens
+        again = split.generate(prompts[:1], greedy)[0]
+        assert again.token_ids == want[0] and split.engine.tiers.stats.hit_tokens["disk"] >= 4
+    finally:
+        split.engine.close()  # (its disk writes flushed)
+    one = LLM("default", **options)
+    try:
+        out = one.generate(prompts[1:2], greedy)[0]
+        assert out.token_ids == want[1] and one.engine.tiers.stats.hit_tokens["disk"] >= 4 * 4, one.engine.tiers.stats
+    finally:
+        one.engine.close()

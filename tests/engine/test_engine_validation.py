@@ -97,11 +97,7 @@ def test_bad_engine_options():
 
 
 def test_tensor_parallel_options_the_engine_cannot_run_are_refused_before_any_rank_starts():
-    """The bundled model has 3 KV heads: 4 ranks would leave one without a head. A disk tier or a shared pool
-    (a worker's hand-off) under tensor parallelism is not built yet, and says so."""
+    """The bundled model has 3 KV heads: 4 ranks would leave one without a head. (More ranks than GPUs, and a
+    disk tier under ranks on CUDA, are refused on a GPU host.)"""
     with pytest.raises(ValueError, match="tensor_parallel_size 4 is more than this model's 3 KV heads"):
         LLM("default", tensor_parallel_size=4, num_blocks=8)
-    with pytest.raises(ValueError, match="with a disk KV tier .disk_kv_cache_dir. is not supported yet"):
-        LLM("default", tensor_parallel_size=2, num_blocks=8, disk_kv_cache_dir="tp-test-disk")
-    with pytest.raises(ValueError, match="shared KV pool"):
-        LLM("default", tensor_parallel_size=2, num_blocks=8, shared_kv_name="tp-test")

@@ -13,10 +13,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from engine import LLM, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.tier_connector import TierConnector, auto_host_bytes
+from engine.tier_connector import TierConnector
 from kvstore import BlockManager, KVCache, KVCacheSpec, block_copier
 from kvstore.block_copier import BlockCopier
-from kvstore.host_tier import HostTier
+from kvstore.host_tier import HostTier, auto_host_bytes
 from kvstore.prefix_hash import block_hashes
 
 # -- rows: one block's bytes, every layer ------------------------------------------------------------------

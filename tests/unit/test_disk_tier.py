@@ -85,12 +85,12 @@ def test_blocks_round_trip_byte_exact_through_a_restart(open_tier, name):
     src, dst = _pool(spec, 3, seed=1), _pool(spec, 4)
     (h0, t0, p0), (h1, t1, p1) = _chain(2, salt=fp)
     tier = open_tier(fp=fp, spec=spec)
-    assert tier.store(h0, p0, t0, src.layers, 2) and tier.store(h1, p1, t1, src.layers, 0)
+    assert tier.store(h0, p0, t0, src, 2) and tier.store(h1, p1, t1, src, 0)
     tier.close()
     assert _path(tier, h0).stat().st_size <= bytes_per_file(fp, spec)
 
     reopened = open_tier(fp=fp, spec=spec)  # so the bytes come from the files
-    assert reopened.load(h0, t0, p0, dst.layers, 1) and reopened.load(h1, t1, p1, dst.layers, 3)
+    assert reopened.load(h0, t0, p0, dst, 1) and reopened.load(h1, t1, p1, dst, 3)
     assert _block(dst, 1) == _block(src, 2) and _block(dst, 3) == _block(src, 0)
     assert _block(dst, 0) == _block(dst, 2) == bytes(len(_block(src, 0)))  # other blocks untouched
 
@@ -110,19 +110,19 @@ def test_store_copies_at_once_and_does_not_wait_for_the_disk(open_tier, monkeypa
 
     monkeypatch.setattr(disk_format, "write_block_file", slow_disk)
     try:
-        assert tier.store(h0, p0, t0, src.layers, 0)
-        assert tier.store(h1, p1, t1, src.layers, 1)  # returns although the writer is stuck on the first
+        assert tier.store(h0, p0, t0, src, 0)
+        assert tier.store(h1, p1, t1, src, 1)  # returns although the writer is stuck on the first
         assert writing.wait(5) and not gate.is_set()
         src.buffer.zero_()  # the caller reuses the slots right away
         assert tier.lookup(h0, t0, p0) and not _path(tier, h0).exists()
-        assert tier.load(h0, t0, p0, dst.layers, 1)  # served from the queued bytes
+        assert tier.load(h0, t0, p0, dst, 1)  # served from the queued bytes
         assert _block(dst, 1) == expected
     finally:
         gate.set()
     tier.flush()
     assert _path(tier, h0).exists() and _path(tier, h1).exists()
     dst.buffer.zero_()
-    assert tier.load(h0, t0, p0, dst.layers, 0) and _block(dst, 0) == expected
+    assert tier.load(h0, t0, p0, dst, 0) and _block(dst, 0) == expected
 
 
 def _flip_last_byte(path) -> None:
@@ -135,12 +135,12 @@ def test_a_corrupt_payload_is_deleted_never_served(open_tier, caplog):
     tier = open_tier()
     src, dst = _pool(SPEC, 1, seed=3), _pool(SPEC, 1)
     [(h, t, p)] = _chain(1)
-    tier.store(h, p, t, src.layers, 0)
+    tier.store(h, p, t, src, 0)
     tier.flush()
     assert tier.take_events() == ([h], [])
     _flip_last_byte(_path(tier, h))
     with caplog.at_level(logging.WARNING, logger="kvstore.disk_tier"):
-        assert not tier.load(h, t, p, dst.layers, 0)
+        assert not tier.load(h, t, p, dst, 0)
     assert "checksum mismatch" in caplog.text
     assert _block(dst, 0) == bytes(len(_block(src, 0)))
     tier.flush()
@@ -154,14 +154,14 @@ def test_a_file_naming_other_tokens_or_parent_is_deleted_never_served(open_tier,
     [_, (h, t, p)] = _chain(2)
     tier = open_tier(tmp_path / "a")
     forger = open_tier(tmp_path / "b")  # the same block hash over other tokens, or after another parent
-    tier.store(h, p, t, src.layers, 0)
+    tier.store(h, p, t, src, 0)
     forged_tokens, forged_parent = ((*t[:-1], t[-1] + 1), p) if other == "tokens" else (t, h)
-    forger.store(h, forged_parent, forged_tokens, src.layers, 0)
+    forger.store(h, forged_parent, forged_tokens, src, 0)
     tier.flush()
     forger.flush()
     shutil.copyfile(_path(forger, h), _path(tier, h))
     assert tier.lookup(h, t, p)  # the index still holds the right tokens: only the file lies
-    assert not tier.load(h, t, p, dst.layers, 0)
+    assert not tier.load(h, t, p, dst, 0)
     tier.flush()
     assert not _path(tier, h).exists() and not tier.contains(h)
     assert _block(dst, 0) == bytes(len(_block(src, 0)))
@@ -171,10 +171,10 @@ def test_files_of_another_layout_are_ignored(open_tier, tmp_path):
     src, dst = _pool(SPEC, 1, seed=5), _pool(SPEC, 1)
     [(h, t, p)] = _chain(1)
     ours = open_tier()
-    ours.store(h, p, t, src.layers, 0)
+    ours.store(h, p, t, src, 0)
     ours.close()
     theirs = open_tier(fp="feedfacefeedface")  # another layout in the same directory
-    assert theirs.hashes() == [] and not theirs.load(h, t, p, dst.layers, 0)
+    assert theirs.hashes() == [] and not theirs.load(h, t, p, dst, 0)
     theirs.close()
     _path(theirs, h).parent.mkdir()
     shutil.copyfile(_path(ours, h), _path(theirs, h))  # a file moved between layouts' directories
@@ -187,12 +187,12 @@ def test_a_truncated_file_is_a_miss_at_load_and_dropped_at_restart(open_tier):
     src, dst = _pool(SPEC, 2, seed=6), _pool(SPEC, 1)
     (h0, t0, p0), (h1, t1, p1) = _chain(2)
     tier = open_tier()
-    tier.store(h0, p0, t0, src.layers, 0)
-    tier.store(h1, p1, t1, src.layers, 1)
+    tier.store(h0, p0, t0, src, 0)
+    tier.store(h1, p1, t1, src, 1)
     tier.flush()
     for h in (h0, h1):
         os.truncate(_path(tier, h), _path(tier, h).stat().st_size - 1)
-    assert not tier.load(h0, t0, p0, dst.layers, 0)
+    assert not tier.load(h0, t0, p0, dst, 0)
     tier.close()
     assert not _path(tier, h0).exists()
     assert open_tier().hashes() == [] and not _path(tier, h1).exists()
@@ -203,7 +203,7 @@ def test_a_restart_reannounces_blocks_in_lru_order_and_cleans_up(open_tier):
     blocks = _chain(3)
     tier = open_tier()
     for i, (h, t, p) in enumerate(blocks):
-        tier.store(h, p, t, src.layers, i)
+        tier.store(h, p, t, src, i)
     tier.close()
     for age, (h, _, _) in zip([20, 30, 10], blocks, strict=True):  # least recently used: block 2, then 0, 1
         os.utime(_path(tier, h), (1e9 + age, 1e9 + age))
@@ -217,7 +217,7 @@ def test_a_restart_reannounces_blocks_in_lru_order_and_cleans_up(open_tier):
     assert reopened.hashes() == lru and reopened.take_events() == (lru, [])
     assert not (shard / ".tmp-interrupted").exists() and not junk.exists()
     for i, (h, t, p) in enumerate(blocks):
-        assert reopened.load(h, t, p, dst.layers, 0) and _block(dst, 0) == _block(src, i)
+        assert reopened.load(h, t, p, dst, 0) and _block(dst, 0) == _block(src, i)
     reopened.close()
     assert all(_path(tier, h).stat().st_mtime > 1e9 + 30 for h, _, _ in blocks)  # a load touches the file
 
@@ -234,23 +234,23 @@ def test_capacity_evicts_least_recently_used_and_events_are_net(open_tier):
     (ha, ta, pa), (hb, tb, pb), (hc, tc, pc), (hd, td, pd), (he, te, pe) = _chain(5)
     tier = open_tier(capacity_blocks=3)
     for i, (h, t, p) in enumerate([(ha, ta, pa), (hb, tb, pb), (hc, tc, pc)]):
-        tier.store(h, p, t, src.layers, i)
+        tier.store(h, p, t, src, i)
     assert tier.take_events() == ([ha, hb, hc], [])
-    assert tier.load(ha, ta, pa, dst.layers, 0)  # a load keeps a
-    assert tier.store(hb, pb, tb, src.layers, 4)  # held already: touched, not rewritten
-    assert tier.load(hb, tb, pb, dst.layers, 0) and _block(dst, 0) == _block(src, 1)
-    tier.store(hd, pd, td, src.layers, 3)
+    assert tier.load(ha, ta, pa, dst, 0)  # a load keeps a
+    assert tier.store(hb, pb, tb, src, 4)  # held already: touched, not rewritten
+    assert tier.load(hb, tb, pb, dst, 0) and _block(dst, 0) == _block(src, 1)
+    tier.store(hd, pd, td, src, 3)
     tier.flush()
     assert tier.hashes() == [ha, hb, hd] and not _path(tier, hc).exists()
     assert tier.used_bytes <= tier.capacity_bytes
-    tier.store(hc, pc, tc, src.layers, 2)  # evicts a; c was evicted and stored again since the last take
-    tier.store(he, pe, te, src.layers, 4)  # evicts b
+    tier.store(hc, pc, tc, src, 2)  # evicts a; c was evicted and stored again since the last take
+    tier.store(he, pe, te, src, 4)  # evicts b
     tier.flush()
     assert tier.hashes() == [hd, hc, he]
     assert tier.take_events() == ([hd, he], [ha, hb])
     assert tier.take_events() == ([], [])
-    assert tier.load(hb, tb, pb, dst.layers, 0) is False
-    assert tier.load(hc, tc, pc, dst.layers, 0) and _block(dst, 0) == _block(src, 2)
+    assert tier.load(hb, tb, pb, dst, 0) is False
+    assert tier.load(hc, tc, pc, dst, 0) and _block(dst, 0) == _block(src, 2)
     files = [p for p in tier.root.rglob("*") if p.is_file()]
     assert sorted(p.name for p in files) == sorted([hd, hc, he])
     assert tier.used_bytes == sum(p.stat().st_size for p in files)
@@ -264,7 +264,7 @@ def test_a_failed_write_drops_the_block(open_tier, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(disk_format, "write_block_file", full_disk)
-    tier.store(h, p, t, _pool(SPEC, 1, seed=9).layers, 0)
+    tier.store(h, p, t, _pool(SPEC, 1, seed=9), 0)
     tier.flush()
     assert not tier.contains(h) and tier.used_bytes == 0 and tier.take_events() == ([], [])
 
@@ -319,7 +319,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         generator = torch.Generator().manual_seed(seed)
         self.src.buffer.copy_(torch.randint(0, 256, (self.src.nbytes,), dtype=torch.uint8, generator=generator))
         held = self.tier.contains(h)
-        assert self.tier.store(h, p, t, self.src.layers, 0)
+        assert self.tier.store(h, p, t, self.src, 0)
         if not held:
             self.expected[h] = _block(self.src, 0)
             self.written.pop(h, None)
@@ -339,7 +339,7 @@ class DiskTierMachine(RuleBasedStateMachine):
             t = (*t[:-1], t[-1] + 1)
         held, corrupt = self.tier.contains(h), h in self.corrupt()
         self.dst.buffer.zero_()
-        served = self.tier.load(h, t, p, self.dst.layers, 1)
+        served = self.tier.load(h, t, p, self.dst, 1)
         assert _block(self.dst, 0) == self.zeros
         if served:
             assert not wrong_tokens and not corrupt
