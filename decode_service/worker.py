@@ -66,15 +66,16 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         runner = engine.runner
         self.fingerprint = engine.prefix_salt  # the KV layout, of all heads (the same for every TP size)
         # Tensor parallel: a prefill worker writes each rank's part its heads (``kvstore.split_pool``), through
-        # the part files (shm) or our receiver (grpc); NIXL and CUDA IPC reach an unsplit pool only. Under NCCL
-        # ranks this process cannot reach the other parts at all: every prompt is prefilled here.
+        # the part files (shm), our receiver (grpc) or our NIXL agent, which registers every part; CUDA IPC
+        # reaches an unsplit pool only. Under NCCL ranks this process cannot reach the other parts at all: every
+        # prompt is prefilled here.
         split = engine.config.tensor_parallel_size > 1
         whole = runner.kv_pool
-        if kv_transport == Backend.NIXL and (split or not nixl_installed()):
-            raise RuntimeError("--kv-transport nixl needs NIXL (pip install 'kvserve[nixl]') and a worker at "
-                               "--tensor-parallel-size 1")  # fmt: skip
+        if kv_transport == Backend.NIXL and (whole is None or not nixl_installed()):
+            raise RuntimeError("--kv-transport nixl needs NIXL (pip install 'kvserve[nixl]') and, split over "
+                               "ranks, a CPU worker")  # fmt: skip
         eager = kv_transport == Backend.NIXL
-        self.nixl = NixlOffer(runner.kv_cache, worker_id, eager) if nixl_installed() and not split else None
+        self.nixl = NixlOffer(whole, worker_id, eager) if nixl_installed() and whole is not None else None
         self.endpoint = Endpoint(local_host_id(), str(runner.device), bool(shm_path),
                                  frozenset([Backend.NIXL] if self.nixl else []))  # fmt: skip
         ipc = export_cuda_ipc(runner.kv_cache) if runner.device.type == "cuda" and not split else b""

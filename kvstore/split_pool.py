@@ -74,6 +74,19 @@ class SplitPool:
         return out
 
 
+def parse_layout(kv_heads: str, num_kv_heads: int, num_parts: int) -> list[int]:
+    """The heads of each part from a worker's advertised ``kv_heads`` ('' for one part); ``ValueError`` when they
+    do not split ``num_kv_heads`` heads into ``num_parts`` parts of at least one head."""
+    try:
+        heads = [int(h) for h in kv_heads.split(",")] if kv_heads else [num_kv_heads]
+    except ValueError:
+        heads = []
+    if not heads or min(heads) < 1 or sum(heads) != num_kv_heads or len(heads) != num_parts:
+        raise ValueError(f"the destination's KV heads {kv_heads!r} (in {num_parts} parts) cannot be mapped onto this "
+                         f"model's {num_kv_heads} KV heads")  # fmt: skip
+    return heads
+
+
 def _token_rows(t: torch.Tensor) -> torch.Tensor:
     """A region ``(blocks, block_size, heads[, head_dim])`` as ``(blocks, block_size, bytes)`` uint8."""
     return t.view(t.shape[0], t.shape[1], -1).view(torch.uint8)

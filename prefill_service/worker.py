@@ -82,8 +82,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         engine.connect(HandoffConnector(runner.kv_pool, engine.config.block_size))
         self.fingerprint = engine.prefix_salt  # the KV layout, of all heads (the same for every TP size)
         self.kv_heads = runner.kv_heads  # advertised: what each rank holds
-        # NIXL writes from an unsplit pool only (a split one's parts are separate buffers)
-        self.offers_nixl = nixl_installed() and not runner.kv_pool.split
+        self.offers_nixl = nixl_installed()
         self.destinations = Destinations(runner.kv_pool.spec, self.fingerprint, worker_id, security, registry,
                                          runner.device)  # fmt: skip
         self._jobs: queue.Queue[PrefillJob] = queue.Queue()

@@ -8,7 +8,8 @@ blocks (``take``, before the engine releases them), with no staging copy and no 
 (vLLM's model) would make the prefill worker keep its blocks until a decode worker comes to read them, and
 add a second lease in the other direction.
 
-* The decode worker registers its whole pool (``KVCache.buffer``) with one agent at start-up (``NixlPool``)
+* The decode worker registers its whole pool (``KVCache.buffer``; split over tensor-parallel ranks, every
+  rank's part, with ``KVDestination.kv_heads``) with one agent at start-up (``NixlPool``)
   and offers the agent's metadata and the pool's address only inside the signed lease
   (``KVDestination.nixl_metadata``, ``nixl_pool``), over authenticated gRPC. No NIXL metadata listener runs.
 * The prefill worker's agent (one per worker, ``local_agent``) registers its own pool on first use, loads a
@@ -27,6 +28,7 @@ The agents and the decode worker's registered pool: ``transfer.nixl_agent``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.kv_cache import KVCache, KVCacheSpec
-from kvstore.split_pool import SplitPool
+from kvstore.split_pool import SplitPool, parse_layout
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from transfer.backend import Backend
 from transfer.blocks import checksum_blocks
@@ -59,11 +61,61 @@ def region_layout(spec: KVCacheSpec, num_blocks: int) -> list[tuple[int, int]]:
     return layout
 
 
-def _descs(base: int, device: int, layout: list[tuple[int, int]], starts: np.ndarray, runs: np.ndarray) -> np.ndarray:
-    """(address, length, device) rows: each run of ``runs[i]`` blocks from block ``starts[i]``, in every region."""
-    rows = [np.stack([base + offset + starts * stride, runs * stride, np.full_like(starts, device)], axis=1)
-            for offset, stride in layout]  # fmt: skip
-    return np.concatenate(rows).astype(np.uint64)
+@dataclass(frozen=True)
+class _Part:
+    """One part of a pool (``kvstore.split_pool``) as a NIXL write addresses it: where its buffer lies, its
+    layout, its first KV head."""
+
+    base: int
+    device: int
+    spec: KVCacheSpec
+    num_blocks: int
+    first: int
+
+    @property
+    def heads(self) -> int:
+        return self.spec.num_kv_heads
+
+
+def _parts_of(pool: SplitPool) -> list[_Part]:
+    return [_Part(p.buffer.data_ptr(), memory_of(p.buffer)[1], p.spec, p.num_blocks, first)
+            for p, first in zip(pool.parts, pool.firsts, strict=True)]  # fmt: skip
+
+
+def _rows(addresses: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
+    return np.stack([addresses, lengths, np.full_like(addresses, device)], axis=1)
+
+
+def _descs(src: list[_Part], src_blocks: list[int], dst: list[_Part], dst_blocks: list[int]) -> tuple[np.ndarray,
+                                                                                                        np.ndarray]:
+    """(address, length, device) rows of the source and of the destination, pairwise of equal length, that
+    write ``src_blocks`` into ``dst_blocks`` (one to one), every region, each destination part's heads from the
+    source parts that hold them. Parts that hold the same heads move runs of whole blocks (a row per run and
+    region); parts split otherwise move each token's row of the heads they share (a region's block is
+    ``block_size`` rows of all the part's heads: ``kvstore.kv_cache``)."""
+    src_starts, dst_starts, runs = _runs(src_blocks, dst_blocks)
+    src_ids, dst_ids = np.asarray(src_blocks, dtype=np.int64)[:, None], np.asarray(dst_blocks, dtype=np.int64)[:, None]
+    tokens = np.arange(src[0].spec.block_size, dtype=np.int64)
+    src_rows, dst_rows = [], []
+    for s in src:
+        for d in dst:
+            lo, hi = max(s.first, d.first), min(s.first + s.heads, d.first + d.heads)
+            if lo >= hi:
+                continue
+            same = s.first == d.first and s.heads == d.heads
+            regions = zip(region_layout(s.spec, s.num_blocks), region_layout(d.spec, d.num_blocks), strict=True)
+            for (s_off, s_stride), (d_off, d_stride) in regions:
+                if same:
+                    src_rows.append(_rows(s.base + s_off + src_starts * s_stride, runs * s_stride, s.device))
+                    dst_rows.append(_rows(d.base + d_off + dst_starts * d_stride, runs * d_stride, d.device))
+                    continue
+                head = s_stride // (len(tokens) * s.heads)  # bytes of one head in a token's row of this region
+                at_src = s.base + s_off + src_ids * s_stride + tokens * s.heads * head + (lo - s.first) * head
+                at_dst = d.base + d_off + dst_ids * d_stride + tokens * d.heads * head + (lo - d.first) * head
+                length = np.full(at_src.size, (hi - lo) * head, dtype=np.int64)
+                src_rows.append(_rows(at_src.ravel(), length, s.device))
+                dst_rows.append(_rows(at_dst.ravel(), length, d.device))
+    return np.concatenate(src_rows).astype(np.uint64), np.concatenate(dst_rows).astype(np.uint64)
 
 
 def _runs(src: list[int], dst: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -90,13 +142,10 @@ class NixlTransport(KVTransport):
 
     backend = Backend.NIXL
 
-    def __init__(self, worker_id: str, local: LocalAgent, remote: str, pool: str, spec: KVCacheSpec,
-                 num_blocks: int) -> None:  # fmt: skip
+    def __init__(self, worker_id: str, local: LocalAgent, remote: str, mem: str, parts: list[_Part]) -> None:
         super().__init__(worker_id)
         self.local, self.remote = local, remote
-        mem, device, address = pool.split(":")
-        self.mem, self.device, self.base = mem, int(device), int(address)
-        self.layout = region_layout(spec, num_blocks)
+        self.mem, self.parts = mem, parts  # the destination pool's parts (one, or one per tensor-parallel rank)
 
     @staticmethod
     def key(dest: pb.KVDestination) -> str:
@@ -105,18 +154,20 @@ class NixlTransport(KVTransport):
 
     @classmethod
     def open(cls, dest: pb.KVDestination, origin: Origin) -> NixlTransport:
-        if not dest.nixl_metadata or dest.nixl_pool.count(":") != 2 or dest.nixl_pool.split(":")[0] not in (
-                "DRAM", "VRAM"):  # fmt: skip
+        pools = [p.split(":") for p in dest.nixl_pool.split(";")]
+        mems = {p[0] for p in pools}
+        if not dest.nixl_metadata or any(len(p) != 3 for p in pools) or len(mems) != 1 or not mems <= {"DRAM", "VRAM"}:
             raise ValueError("the destination offers no NIXL agent and pool")
-        if dest.kv_heads:
-            raise ValueError("NIXL writes into an unsplit pool only: the destination's heads are split over ranks")
+        heads = parse_layout(dest.kv_heads, origin.spec.num_kv_heads, len(pools))
+        parts = [_Part(int(address), int(device), dataclasses.replace(origin.spec, num_kv_heads=n), dest.num_blocks,
+                       sum(heads[:i])) for i, ((_, device, address), n) in enumerate(zip(pools, heads, strict=True))]
         local = local_agent(origin.worker_id)
         remote = local.agent.add_remote_agent(dest.nixl_metadata)
         remote = remote.decode() if isinstance(remote, bytes) else remote
         if writer_of(remote) != dest.worker_id:
             local.agent.remove_remote_agent(remote)
             raise ValueError(f"the NIXL agent {remote!r} is not decode worker {dest.worker_id!r}'s")
-        return cls(dest.worker_id, local, remote, dest.nixl_pool, origin.spec, dest.num_blocks)
+        return cls(dest.worker_id, local, remote, mems.pop(), parts)
 
     def take(self, source: SplitPool | KVCache, block_ids: list[int], request_id: str = "", dst_blocks: list[int] = (),
              deadline: float | None = None) -> Written:  # fmt: skip
@@ -128,24 +179,19 @@ class NixlTransport(KVTransport):
         if not block_ids:
             return Written(checksum="")
         source = SplitPool.of(source)
-        if source.split:  # (a split prefill worker offers no NIXL: only a forced transport gets here)
-            return Written(error="NIXL writes from an unsplit pool only; this prefill worker's heads are split over "
-                                 "tensor-parallel ranks (use grpc)")  # fmt: skip
-        whole, source = source, source.parts[0]
         deadline = min(deadline if deadline is not None else float("inf"), time.monotonic() + WRITE_TIMEOUT_S)
         try:
-            self.local.register(source)
+            for part in source.parts:
+                self.local.register(part)
             agent = self.local.agent
-            src_starts, dst_starts, runs = _runs(block_ids, dst_blocks)
-            mem, device = memory_of(source.buffer)
-            local = agent.get_xfer_descs(_descs(source.buffer.data_ptr(), device, region_layout(source.spec,
-                                         source.num_blocks), src_starts, runs), mem)  # fmt: skip
-            remote = agent.get_xfer_descs(_descs(self.base, self.device, self.layout, dst_starts, runs), self.mem)
+            src_rows, dst_rows = _descs(_parts_of(source), block_ids, self.parts, dst_blocks)
+            local = agent.get_xfer_descs(src_rows, memory_of(source.parts[0].buffer)[0])
+            remote = agent.get_xfer_descs(dst_rows, self.mem)
             handle = agent.initialize_xfer("WRITE", local, remote, self.remote, request_id.encode())
         except Exception as err:  # noqa: BLE001 - nixl raises its own types; nothing was posted
             return Written(error=f"preparing the NIXL write failed: {err}")
         state = agent.transfer(handle)
-        digest = checksum_blocks(whole, block_ids) if state != "ERR" else ""  # while the write runs
+        digest = checksum_blocks(source, block_ids) if state != "ERR" else ""  # while the write runs
         while state == "PROC" and time.monotonic() < deadline:
             time.sleep(_POLL_S)
             state = agent.check_xfer_state(handle)

@@ -20,6 +20,7 @@ from types import ModuleType
 import torch
 
 from kvstore.kv_cache import KVCache
+from kvstore.split_pool import SplitPool
 
 log = logging.getLogger(__name__)
 
@@ -92,19 +93,22 @@ def memory_of(buffer: torch.Tensor) -> tuple[str, int]:
 class NixlPool:
     """The decode worker's pool, registered with its agent once, for the life of the worker."""
 
-    def __init__(self, cache: KVCache, worker_id: str) -> None:
+    def __init__(self, pool: SplitPool | KVCache, worker_id: str) -> None:
+        pool = SplitPool.of(pool)  # (an unsplit pool is one part)
         self.agent = new_agent(worker_id)
-        mem, device = memory_of(cache.buffer)
+        mem, device = memory_of(pool.parts[0].buffer)
         try:
-            self._registered = self.agent.register_memory(cache.buffer)
+            self._registered = [self.agent.register_memory(part.buffer) for part in pool.parts]
         except Exception as error:  # noqa: BLE001 - nixl's own backend error names no cause
             hint = (" (seen on a GPU machine whose NIXL wheel's UCX was built without CUDA: it takes GPU memory "
                     "for host memory)") if mem == "VRAM" else ""
-            raise RuntimeError(f"NIXL could not register the KV pool ({mem}, {cache.buffer.numel() / 2**20:.0f} "
-                               f"MiB){hint}: use --kv-transport grpc, or a NIXL whose UCX has CUDA") from error
+            mib = pool.spec.total_bytes(pool.num_blocks) / 2**20
+            raise RuntimeError(f"NIXL could not register the KV pool ({mem}, {mib:.0f} MiB){hint}: use --kv-transport "
+                               "grpc, or a NIXL whose UCX has CUDA") from error
         self.metadata: bytes = self.agent.get_agent_metadata()
-        self.pool = f"{mem}:{device}:{cache.buffer.data_ptr()}"  # ``KVDestination.nixl_pool``
-        self._cache = cache  # keeps the registered buffer alive
+        # ``KVDestination.nixl_pool``: each part's buffer, ``;``-separated (with ``kv_heads``: one per rank)
+        self.pool = ";".join(f"{mem}:{device}:{part.buffer.data_ptr()}" for part in pool.parts)
+        self._pool = pool  # keeps the registered buffers alive
 
     def arrived(self) -> list[tuple[str, str]]:
         """(writer's worker id, request id) of every notification since the last call: a write of that
@@ -113,15 +117,16 @@ class NixlPool:
                 for name, msgs in self.agent.get_new_notifs().items() for msg in msgs]  # fmt: skip
 
     def close(self) -> None:
-        self.agent.deregister_memory(self._registered)
+        for registered in self._registered:
+            self.agent.deregister_memory(registered)
 
 
 class NixlOffer:
     """The decode worker's ``NixlPool``, registered at once (``eager``) or in the background on first need."""
 
-    def __init__(self, cache: KVCache, worker_id: str, eager: bool) -> None:
-        self._args = (cache, worker_id)
-        self._pool: NixlPool | None = NixlPool(cache, worker_id) if eager else None
+    def __init__(self, pool: SplitPool, worker_id: str, eager: bool) -> None:
+        self._args = (pool, worker_id)
+        self._pool: NixlPool | None = NixlPool(pool, worker_id) if eager else None
         self._starting: threading.Thread | None = None
 
     def ready(self) -> NixlPool | None:

@@ -14,7 +14,7 @@ import os
 
 from kvstore.kv_cache import KVCacheSpec
 from kvstore.shared_pool import map_pool_file
-from kvstore.split_pool import SplitPool
+from kvstore.split_pool import SplitPool, parse_layout
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from transfer.backend import Backend
 from transfer.interface import InPlaceTransport, Origin
@@ -23,16 +23,8 @@ from transfer.interface import InPlaceTransport, Origin
 def dest_parts(dest: pb.KVDestination, spec: KVCacheSpec) -> list[tuple[KVCacheSpec, str]]:
     """Each part of ``dest``'s pool (its spec and file): one, or one per tensor-parallel rank (``kv_heads``);
     ``ValueError`` when the layout cannot be mapped onto ``spec`` (the unsplit pool's)."""
-    if not dest.kv_heads:
-        return [(spec, dest.shm_path)]
-    try:
-        heads = [int(h) for h in dest.kv_heads.split(",")]
-    except ValueError:
-        heads = []
-    if not heads or min(heads) < 1 or sum(heads) != spec.num_kv_heads or len(dest.part_shm_paths) != len(heads) - 1:
-        raise ValueError(f"the destination's KV heads {dest.kv_heads!r} (with {len(dest.part_shm_paths)} part "
-                         f"files) cannot be mapped onto this model's {spec.num_kv_heads} KV heads")  # fmt: skip
     paths = [dest.shm_path, *dest.part_shm_paths]
+    heads = parse_layout(dest.kv_heads, spec.num_kv_heads, len(paths))
     return [(dataclasses.replace(spec, num_kv_heads=h), path) for h, path in zip(heads, paths, strict=True)]
 
 

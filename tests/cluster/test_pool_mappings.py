@@ -98,7 +98,7 @@ def test_a_removed_pool_is_unmapped_once_no_job_holds_it(tmp_path):
     assert mapped_pools(os.getpid(), tmp_path) == {str(path)}
     path.unlink()  # the decode worker died and the supervisor removed its pool file
     destinations.close_gone_pools()
-    writing.pool.layers[0].k_cache[0].fill_(1.0)  # the job's write still lands in the mapping
+    writing.pool.parts[0].layers[0].k_cache[0].fill_(1.0)  # the job's write still lands in the mapping
     assert mapped_pools(os.getpid(), tmp_path) == {f"{path} (deleted)"}
     del writing  # the job is done
     assert mapped_pools(os.getpid(), tmp_path) == set()

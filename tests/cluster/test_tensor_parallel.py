@@ -113,11 +113,16 @@ def test_a_prefill_worker_at_tp1_hands_its_kv_to_a_decode_worker_at_tp2(tmp_path
     _cross_tp_cluster(tmp_path, engine_prompts, 1, 2, "shm")
 
 
-# on demand (~50 s, two clusters): pytest -m soak tests/cluster/test_tensor_parallel.py
+# on demand (~2 min, four clusters): pytest -m soak tests/cluster/test_tensor_parallel.py
 @pytest.mark.soak
+@pytest.mark.parametrize("transport", ["grpc", "nixl"])
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
-def test_kv_crosses_tp_sizes_over_grpc(tmp_path, engine_prompts, prefill_tp, decode_tp):
-    _cross_tp_cluster(tmp_path, engine_prompts, prefill_tp, decode_tp, "grpc")
+def test_kv_crosses_tp_sizes_over_grpc_and_nixl(tmp_path, engine_prompts, prefill_tp, decode_tp, transport):
+    from transfer.backend import nixl_installed
+
+    if transport == "nixl" and not nixl_installed():
+        pytest.skip("NIXL is not installed here")
+    _cross_tp_cluster(tmp_path, engine_prompts, prefill_tp, decode_tp, transport)
 
 
 def test_a_gpu_host_refuses_split_workers_beside_prefill_workers(monkeypatch):

@@ -28,7 +28,7 @@ def test_region_layout_is_the_pools(kv_cache_dtype):
     spec = KVCacheSpec(3, 2, 8, 4, torch.float16, kv_cache_dtype)
     cache = KVCache(spec, 7, "cpu")
     base = cache.buffer.data_ptr()
-    expected = [(r.data_ptr() - base, r.shape[1]) for r in _regions(cache)]
+    expected = [(part.data_ptr() - base, part.shape[1] * part.shape[2]) for (part,) in _regions(cache)]
     assert nixl.region_layout(spec, 7) == expected
 
 
@@ -46,7 +46,7 @@ def test_two_agents_move_leased_blocks_refuse_unsigned_metadata_and_rest_when_id
     run = subprocess.run([sys.executable, str(SUPPORT / "nixl_pair.py"), str(passed_file)], capture_output=True,
                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert passed_file.read_text().split() == ["write", "metadata", "idle"]
+    assert passed_file.read_text().split() == ["write", "metadata", "split", "idle"]
 
 
 @pytest.mark.parametrize("command", [["-m", "decode_service"], ["-m", "kvserve.cli", "up"]])

@@ -6,6 +6,7 @@ non-zero at the first failed one."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import time
 
@@ -13,11 +14,12 @@ import torch
 
 from cluster_state import lease
 from kvstore.kv_cache import KVCache, KVCacheSpec
+from kvstore.split_pool import SplitPool
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from security.auth import Security
 from transfer import nixl, nixl_agent
 from transfer.backend import Backend
-from transfer.blocks import checksum_blocks
+from transfer.blocks import checksum_blocks, read_blocks
 from transfer.interface import Origin, TransferFailed
 
 SPEC = KVCacheSpec(2, 2, 16, 4, torch.float32)
@@ -87,6 +89,32 @@ def metadata() -> None:
     pool.close()
 
 
+def split() -> None:
+    """Pools split over tensor-parallel ranks otherwise on each side (3 KV heads: 1 + 2 into 2 + 1): each
+    destination part gets its heads from the source parts that hold them, read back through the decode
+    worker's parts rather than through NIXL (``read_blocks``: the bytes of the unsplit pool), and the
+    notification and checksum are those of an unsplit write."""
+    spec = KVCacheSpec(2, 3, 16, 4, torch.float32)
+
+    def parts(heads: list[int], num_blocks: int) -> SplitPool:
+        return SplitPool([KVCache(dataclasses.replace(spec, num_kv_heads=h), num_blocks, "cpu") for h in heads])
+
+    decode, source = parts([2, 1], 32), parts([1, 2], 24)
+    for part in source.parts:
+        part.buffer.copy_(torch.randint(0, 255, part.buffer.shape, dtype=torch.uint8))
+    pool = nixl_agent.NixlPool(decode, "decode-s")
+    src, dst = [3, 4, 5, 11, 0], [20, 21, 7, 8, 30]
+    dest = _destination(pool, "decode-s", 32, dst)
+    dest.kv_heads = decode.layout
+    transport = nixl.NixlTransport.open(dest, Origin(spec, "fp", "prefill-s", Security(token="t")))
+    taken = transport.take(source, src, "req-s", dst, time.monotonic() + 10)
+    assert asyncio.run(transport.finish("req-s", dst, taken)) == checksum_blocks(source, src) != "", taken
+    assert read_blocks(decode, dst) == read_blocks(source, src)
+    assert _arrived(pool) == [("prefill-s", "req-s")]
+    transport.close()
+    pool.close()
+
+
 def idle() -> None:
     """Agents that move nothing cost next to no CPU: NIXL's own progress thread polls without pause (a whole
     core per agent, 1 s of CPU per second), ours rest between rounds (``transfer.nixl_agent``)."""
@@ -101,7 +129,7 @@ def idle() -> None:
 
 if __name__ == "__main__":
     with open(sys.argv[1], "w") as passed:
-        for check in (write, metadata, idle):
+        for check in (write, metadata, split, idle):
             check()
             passed.write(check.__name__ + "\n")
             passed.flush()
