@@ -68,11 +68,14 @@ class Child:
         return listens(host, int(port))
 
     def remove_leftovers(self) -> None:
-        """Remove what the dead process left behind: a decode worker's shared-memory KV pool file, in the
-        directory its environment gave it (``SHM_DIR_ENV``), so no prefill worker maps a dead pool."""
+        """Remove what the dead process left behind: a decode worker's shared-memory KV pool file (and its
+        tensor-parallel ranks' part files), in the directory its environment gave it (``SHM_DIR_ENV``), so no
+        prefill worker maps a dead pool."""
         shm_dir = self._env.get(SHM_DIR_ENV)
         if self.role == "decode" and shm_dir and self.proc is not None:
             (Path(shm_dir) / pool_file_name(self.name, self.proc.pid)).unlink(missing_ok=True)
+            for part in Path(shm_dir).glob(pool_file_name(f"{self.name}-r*", self.proc.pid)):
+                part.unlink(missing_ok=True)
 
     def terminate(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

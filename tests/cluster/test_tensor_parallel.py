@@ -190,6 +190,8 @@ def test_a_killed_rank_ends_its_worker_which_restarts_whole_while_its_streams_mo
             os.kill(rank, signal.SIGKILL)
             wait_until(lambda: worker.pid != old_pid and worker.answers(), 120, "decode-0 restarted and answering")
             assert len(_rank_pids(worker.pid)) == 1 and not Path(f"/proc/{rank}").exists()
+            assert not list(c.shm_dir.glob(f"kvserve-decode-0*-{old_pid}"))  # its pool and its rank's part file
+            assert list(c.shm_dir.glob(f"kvserve-decode-0-r1-{worker.pid}"))  # the new one's are there
             count = load.completed
             wait_until(lambda: load.done_since(count) >= 4, 120, "requests completed after the restart")
         finally:
