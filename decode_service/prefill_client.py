@@ -87,6 +87,7 @@ class PrefillClient:
         call = pb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.tokens,
                                  sampling=sampling_to_proto(req.params), destination=dest,
                                  num_cached_tokens=req.num_cached_tokens)  # fmt: skip
+        call.sampling.priority = req.priority  # (not a sampling parameter: the prefill worker's queue order)
         req.prefill_sent_at = time.perf_counter()
         req.prefill_span = req.span.child("decode.remote_prefill", prefill_worker=target.worker_id,
                                           backend=dest.backend, leased_blocks=len(dest.block_ids),

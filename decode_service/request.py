@@ -71,6 +71,7 @@ class ActiveRequest:
     event_loop: asyncio.AbstractEventLoop
     preferred_prefill: str = ""
     continuation: Continuation | None = None  # output another decode worker streamed before it died or drained
+    priority: int = 0  # lower first: its place in our engine's queue and in the prefill worker's
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     received: float = field(default_factory=time.perf_counter)
     state: RequestState = RequestState.QUEUED

@@ -151,7 +151,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
             await context.abort(*refusal)
         req = ActiveRequest(f"{request.request_id[:64] or 'req'}-{uuid.uuid4().hex[:12]}", request.request_id,
                             prompt, params, asyncio.get_running_loop(), request.preferred_prefill_worker,
-                            continuation, span=span)  # fmt: skip
+                            continuation, request.sampling.priority, span=span)  # fmt: skip
         self._inbox.put(("add", req))
         ended = False
         try:
@@ -229,7 +229,8 @@ class DecodeWorker(pb_grpc.DecodeServicer):
                 return
 
     def _add(self, req: ActiveRequest) -> None:
-        self.engine.add_request(req.prompt, req.params, req.request_id, continuation=req.continuation, kv_params=req)
+        self.engine.add_request(req.prompt, req.params, req.request_id, continuation=req.continuation, kv_params=req,
+                                priority=req.priority)  # fmt: skip
 
     def _emit(self, req: ActiveRequest, out: RequestOutput) -> None:
         req.emit(req.response(out, self.worker_id))

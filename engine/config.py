@@ -123,6 +123,11 @@ class EngineConfig(ModelSettings):
         "evicts are kept there and loaded back on a prefix hit, and preempted sequences are swapped there; 0: off; "
         "unset: twice the KV pool, at most 4 GiB and a quarter of the host memory available at start",
     )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="waiting requests are always taken by priority (lower first), then arrival; priority also "
+        "preempts a running request of a lower priority for a waiting one that finds no room",
+    )
     preemption_mode: Literal["auto", "swap", "recompute"] = Field(
         "auto",
         description="what a preempted sequence's KV becomes: swap copies it to the host tier and back; recompute "

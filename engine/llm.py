@@ -8,6 +8,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.requests import Prompt
 from engine.sampling_params import SamplingParams
+from engine.scheduler import check_priority
 
 
 class LLM:
@@ -29,9 +30,11 @@ class LLM:
         self,
         prompts: Prompt | Seq[Prompt],
         params: SamplingParams | Seq[SamplingParams] | None = None,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in the prompts' order, a prompt sampled
-        with ``n > 1`` giving its ``n`` choices one after another (``RequestOutput.index``)."""
+        with ``n > 1`` giving its ``n`` choices one after another (``RequestOutput.index``). ``priority``: one per
+        prompt (lower first, as vLLM's ``LLM.generate`` takes it); none: all 0."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -41,10 +44,16 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        for p in priority:
+            check_priority(p)
         # Validate everything first, so a bad prompt leaves nothing half-queued.
         for prompt, p in zip(prompts, params, strict=True):
             self.engine.validate(prompt, p)
-        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        ids = [self.engine.add_request(prompt, p, priority=rank)
+               for prompt, p, rank in zip(prompts, params, priority, strict=True)]  # fmt: skip
         wanted = [(rid, i) for rid, p in zip(ids, params, strict=True) for i in range(p.n)]
         finished: dict[tuple[str, int], RequestOutput] = {}
         while len(finished) < len(wanted):

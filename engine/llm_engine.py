@@ -43,7 +43,7 @@ from engine.outputs import RequestOutput, StepError
 from engine.parallel_sampling import HeldChoices, choice_id, choice_params
 from engine.requests import Prompt, RequestValidator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler, check_priority
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative import build_speculator, keep_accepted
 from engine.step_diagnosis import StepDiagnosis
@@ -87,7 +87,7 @@ class LLMEngine:
                                  self.runner.kv_cache.layers, self.prefix_salt, self.runner.ranks)  # fmt: skip
         self.connector = self.tiers or KVConnector()
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   self.connector)  # fmt: skip
+                                   self.connector, self.config.scheduling_policy)  # fmt: skip
         self.speculator = build_speculator(self.config, self.model_config, self.tokenizer, self.runner.num_blocks,
                                            self.max_model_len)  # fmt: skip
         self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len, self.runner.model_ring)
@@ -130,11 +130,14 @@ class LLMEngine:
         return self.requests.max_len_for(params)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, *,
-                    continuation: Continuation | None = None, kv_params: object = None) -> str:  # fmt: skip
+                    continuation: Continuation | None = None, kv_params: object = None,
+                    priority: int = 0) -> str:  # fmt: skip
         """Queue a request; returns its id. ``params.n`` choices of it are sampled (``engine.parallel_sampling``);
         ``continuation`` goes on from output another worker already streamed (``engine.continuation``; one
-        choice only); ``kv_params`` is the KV connector's data about it (``Sequence.kv_params``, every choice's)."""
+        choice only); ``kv_params`` is the KV connector's data about it (``Sequence.kv_params``, every choice's);
+        ``priority`` (an int32, lower first) orders it among the waiting (``engine.scheduler``)."""
         params = params or SamplingParams()
+        check_priority(priority)
         if params.n > 1 and continuation is not None:
             raise ValueError(f"a continuation resumes one stream; it cannot have n={params.n} choices")
         seqs = [self._new_sequence(prompt, params, request_id, continuation)]
@@ -142,7 +145,7 @@ class LLMEngine:
         seqs += [self._new_sequence(first.prompt_token_ids, params, first.request_id, index=i)
                  for i in range(1, params.n)]  # fmt: skip
         for seq in seqs:
-            seq.kv_params = kv_params
+            seq.kv_params, seq.priority = kv_params, priority
         self._requests[first.request_id] = seqs
         self.scheduler.add(first)
         self.held.hold(first, seqs[1:])

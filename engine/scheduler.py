@@ -21,6 +21,14 @@ the load finished: its blocks count in every later admission and it holds a
 sequence slot, but it is never a preemption victim (a writer may be filling its
 blocks).
 
+Priorities (``Sequence.priority``, lower first): the waiting queue is ordered by priority, then arrival; a
+preempted sequence (or one whose load failed) goes back to the front of its priority, not of the queue. A
+running sequence preempted for lack of blocks is the lowest-priority one not yet scheduled this step, the
+latest admitted among equals (with one priority: the most recently admitted, as before). Under the
+``priority`` policy a waiting sequence that finds no slot or no blocks also preempts the lowest-priority running
+sequence below its own priority (not one admitted in the same step), until it fits or none is left. With
+equal priorities every rule is the FCFS one.
+
 A sequence whose blocks do not fit does not block the smaller ones behind it:
 it is passed over (at most ``LOOKAHEAD`` sequences are passed per step, which
 bounds the step's prefix matching), until ``MAX_PASSED_OVER`` admissions have
@@ -32,6 +40,7 @@ is passed over the same way, without counting as passed over.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -42,6 +51,14 @@ from kvstore import Block, BlockManager
 
 LOOKAHEAD = 4  # waiting sequences passed over per step at most
 MAX_PASSED_OVER = 16  # admissions that may pass a sequence before it blocks the queue
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # an int32, as vLLM's and the API's
+
+
+def check_priority(priority: int) -> None:
+    """``ValueError`` naming ``priority`` unless it is an int32."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or not (
+            PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]):  # fmt: skip
+        raise ValueError(f"priority must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], got {priority!r}")
 
 
 @dataclass
@@ -61,8 +78,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 connector: KVConnector | None = None) -> None:  # fmt: skip
+                 connector: KVConnector | None = None, policy: str = "fcfs") -> None:  # fmt: skip
         self.block_manager = block_manager
+        self.policy = policy
+        self._arrivals = itertools.count()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.connector = connector or KVConnector()
@@ -73,11 +92,26 @@ class Scheduler:
         self._passed_over: dict[str, int] = {}  # seq id -> admissions that went past it while it did not fit
 
     def add(self, seq: Sequence, first: bool = False) -> None:
-        """Queue ``seq`` last, or ``first`` (a choice of a request already admitted, ``engine.parallel_sampling``)."""
+        """Queue ``seq`` last of its priority, or ``first`` (a choice of a request already admitted,
+        ``engine.parallel_sampling``)."""
+        if seq.arrival < 0:
+            seq.arrival = next(self._arrivals)
         if first:
-            self.waiting.appendleft(seq)
+            self._requeue(seq)
+            return
+        waiting = self.waiting
+        if not waiting or waiting[-1].priority <= seq.priority:
+            waiting.append(seq)
         else:
-            self.waiting.append(seq)
+            waiting.insert(next(i for i, s in enumerate(waiting) if s.priority > seq.priority), seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Put ``seq`` back first of its priority (preempted, or its load failed)."""
+        waiting = self.waiting
+        if not waiting or waiting[0].priority >= seq.priority:
+            waiting.appendleft(seq)
+        else:
+            waiting.insert(next((i for i, s in enumerate(waiting) if s.priority >= seq.priority), len(waiting)), seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv)
@@ -107,7 +141,8 @@ class Scheduler:
                 seq.spec_token_ids.clear()  # no blocks for its proposals: it decodes plainly, preempting no one
                 n = seq.num_tokens_to_compute(seq.num_computed_tokens, budget)
             while not self._allocate(seq, seq.num_computed_tokens + n):
-                victim = self.running.pop()
+                # the lowest priority not yet scheduled this step, the latest admitted among equals
+                victim = self.running.pop(max(range(i, len(self.running)), key=lambda j: (self.running[j].priority, j)))
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -126,8 +161,14 @@ class Scheduler:
         """Admit waiting sequences (see the module's docstring); add the ones that compute to ``picked``."""
         admitted: list[Sequence] = []
         passed: list[Sequence] = []
-        while self.waiting and len(passed) < LOOKAHEAD and self._num_slots_used() < self.max_num_seqs:
+        while self.waiting and len(passed) < LOOKAHEAD:
             seq = self.waiting[0]
+            if self._num_slots_used() >= self.max_num_seqs:
+                freed = self._make_room(seq, picked, admitted)
+                if freed is None:
+                    break
+                budget += freed
+                continue
             if seq.grammar is not None and not seq.grammar.ready:  # its grammar still compiles: try it later
                 passed.append(self.waiting.popleft())
                 continue
@@ -140,6 +181,10 @@ class Scheduler:
             if not later and n == 0:
                 break  # no budget left
             if not self._allocate(seq, seq.num_tokens if later else num_start + n, cached):
+                freed = self._make_room(seq, picked, admitted)
+                if freed is not None:
+                    budget += freed
+                    continue  # (matched again: the room may come from its own prefix's blocks)
                 if self._passed_over.get(seq.seq_id, 0) >= MAX_PASSED_OVER:
                     break  # it has waited long enough: nothing goes ahead of it any more
                 passed.append(self.waiting.popleft())
@@ -164,6 +209,21 @@ class Scheduler:
             self.connector.after_allocate(seq, num_external)
         self.waiting.extendleft(reversed(passed))
         return admitted
+
+    def _make_room(self, seq: Sequence, picked: list[tuple[Sequence, int]], admitted: list[Sequence]) -> int | None:
+        """Under the ``priority`` policy: preempt the lowest-priority running sequence whose priority is below
+        ``seq``'s (the latest admitted among equals; not one admitted this step) and take it out of this step's
+        batch; the budget it had, or None when the policy is FCFS or there is none."""
+        if self.policy != "priority":
+            return None
+        lower = [j for j, s in enumerate(self.running) if s.priority > seq.priority and s not in admitted]
+        if not lower:
+            return None
+        victim = self.running.pop(max(lower, key=lambda j: (self.running[j].priority, j)))
+        freed = sum(n for s, n in picked if s is victim)
+        picked[:] = [(s, n) for s, n in picked if s is not victim]
+        self._preempt(victim)
+        return freed
 
     def _prefix(self, seq: Sequence) -> list[Block]:
         """The blocks ``seq`` starts with, their KV computed: a later choice of a request shares its choice 0's
@@ -192,7 +252,7 @@ class Scheduler:
                 self._free(seq)
                 seq.num_computed_tokens = 0
                 seq.status = SequenceStatus.WAITING
-                self.waiting.appendleft(seq)
+                self._requeue(seq)
             else:
                 seq.num_computed_tokens = seq.num_tokens
                 seq.status = SequenceStatus.RUNNING
@@ -217,7 +277,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._requeue(seq)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:

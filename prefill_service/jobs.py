@@ -1,7 +1,9 @@
-"""A prefill job as the batcher holds it, its result, and how its caller is answered."""
+"""A prefill job as the batcher holds it, the queue of them, its result, and how its caller is answered."""
 
 from __future__ import annotations
 
+import itertools
+import queue
 import time
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
@@ -31,10 +33,26 @@ class PrefillJob:
     enqueued: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # the caller gave up: never start it, or stop it at the next step
     writes_ended: bool = False  # we will never write into the destination's pool for it again, and said so
+    priority: int = 0  # lower first: the queue's order, then arrival (``JobQueue``)
 
     @property
     def expired(self) -> bool:
         return self.transport.backend.writes_in_place and time.monotonic() >= self.write_until
+
+
+class JobQueue(queue.PriorityQueue):
+    """The worker's waiting jobs, taken by priority, then arrival (a thread-safe queue)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._arrivals = itertools.count()
+
+    def put_job(self, job: PrefillJob) -> None:
+        self.put((job.priority, next(self._arrivals), job))
+
+    def get_job(self, timeout: float | None = None) -> PrefillJob:
+        """The next job; ``queue.Empty`` when none came within ``timeout`` (0: none waiting now)."""
+        return (self.get(timeout=timeout) if timeout else self.get_nowait())[2]
 
 
 @dataclass

@@ -48,7 +48,7 @@ from engine.kv_connector import TRANSFER_EXPIRED
 from kvstore.shared_pool import pool_dir
 from prefill_service.destinations import Destinations
 from prefill_service.handoff import Handoff, HandoffConnector
-from prefill_service.jobs import LeaseExpired, PrefillJob, PrefillResult, settle
+from prefill_service.jobs import JobQueue, LeaseExpired, PrefillJob, PrefillResult, settle
 from prefill_service.request import Refused, validate_prefill_request
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
@@ -85,7 +85,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         self.offers_nixl = nixl_installed()
         self.destinations = Destinations(runner.kv_pool.spec, self.fingerprint, worker_id, security, registry,
                                          runner.device)  # fmt: skip
-        self._jobs: queue.Queue[PrefillJob] = queue.Queue()
+        self._jobs = JobQueue()
         self._num_running = 0
         self.batch_sizes: list[int] = []  # requests per batch, in order (for tests and stats)
         self.num_cancelled = 0  # jobs dropped because their caller gave up
@@ -116,9 +116,9 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             transport = self._open(dest)
         except Refused as refusal:
             await context.abort(refusal.code, refusal.message)
-        job = PrefillJob(request.request_id, checked.prompt, checked.params, dest, transport,
-                         checked.num_cached_tokens, lease.write_deadline(dest))  # fmt: skip
-        self._jobs.put(job)
+        job = PrefillJob(request.request_id, checked.prompt, checked.params, dest, transport, checked.num_cached_tokens,
+                         lease.write_deadline(dest), priority=request.sampling.priority)  # fmt: skip
+        self._jobs.put_job(job)
         try:
             result: PrefillResult = await asyncio.wrap_future(job.future)
         except asyncio.CancelledError:  # the caller gave up (cancelled, deadline): never write for it again
@@ -187,7 +187,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
 
     def _collect(self) -> list[PrefillJob]:
         try:
-            first = self._jobs.get(timeout=0.1)
+            first = self._jobs.get_job(timeout=0.1)
         except queue.Empty:
             return []
         batch, tokens = [first], len(first.prompt)
@@ -195,7 +195,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         while tokens < self.max_batch_tokens:
             remaining = deadline - time.perf_counter()
             try:
-                job = self._jobs.get(timeout=max(0.0, remaining)) if remaining > 0 else self._jobs.get_nowait()
+                job = self._jobs.get_job(timeout=max(0.0, remaining))
             except queue.Empty:
                 break
             batch.append(job)
@@ -243,7 +243,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
             try:
                 handoff = Handoff(pool, (cached or leased[:1] * skip) + leased, bs,
                                   job.dest_cached_tokens, bool(cached and pool), job.write_until)  # fmt: skip
-                engine.add_request(job.prompt, params, rid, kv_params=handoff)
+                engine.add_request(job.prompt, params, rid, kv_params=handoff, priority=job.priority)
                 pending[rid] = job
             except Exception as err:  # noqa: BLE001 - this job only
                 settle(job, error=err)

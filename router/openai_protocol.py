@@ -79,6 +79,7 @@ class _Common(_Body):
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM's: the prompt's log-probabilities, without echoing it
     n: int | None = None  # choices per prompt (rpc.validation: at most 16)
+    priority: int | None = None  # vLLM's: lower first, an int32 (rpc.validation)
     response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object or json_schema
     structured_outputs: dict[str, Any] | None = None  # vLLM's: one of json, regex, choice, grammar, json_object
     stream: bool = False
@@ -93,7 +94,7 @@ class _Common(_Body):
                 "frequency_penalty": self.frequency_penalty, "min_tokens": self.min_tokens, "min_p": self.min_p,
                 "logit_bias": _token_bias(self.logit_bias), "logprobs": logprobs,
                 "prompt_logprobs": self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
-                "n": self.n, "response_format": self.response_format,
+                "n": self.n, "priority": self.priority, "response_format": self.response_format,
                 "structured_outputs": self.structured_outputs}  # fmt: skip
 
     @property

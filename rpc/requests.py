@@ -18,7 +18,7 @@ API_KEY_ENV = "KVSERVE_API_KEY"  # the router's API key, and the one its clients
 Prompt = str | list[int] | list[dict[str, Any]]
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "streaming_window",
              "streaming_sinks", "speculative", "presence_penalty", "frequency_penalty", "min_tokens", "min_p",
-             "logprobs", "prompt_logprobs", "n")  # fmt: skip
+             "logprobs", "prompt_logprobs", "n", "priority")  # fmt: skip
 
 
 def build_request(
@@ -44,6 +44,7 @@ def build_request(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     n: int | None = None,
+    priority: int | None = None,
     structured_outputs: dict[str, Any] | None = None,
     response_format: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
@@ -53,7 +54,8 @@ def build_request(
     ``tool_calls``, a tool's ``tool_call_id``; ``tools``: OpenAI's function tools, which the chat template
     lists, ``pb.ChatMessages``); ``None`` options stay
     unset, so the server applies its defaults (``engine.sampling_params.SamplingParams`` says what each does;
-    ``n``: that many choices, their messages told apart by ``GenerateResponse.index``). ``structured_outputs``
+    ``n``: that many choices, their messages told apart by ``GenerateResponse.index``; ``priority``: lower
+    first, an int32). ``structured_outputs``
     (vLLM's) or ``response_format`` (OpenAI's) constrain the output: ``SamplingOptions.structured_output``."""
     values = locals()
     sampling = pb.SamplingOptions(

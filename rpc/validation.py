@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.sampling_params import SamplingParams, check_token_ids
+from engine.scheduler import check_priority
 from engine.tokenizer import Tokenizer
 from kvstore.ring import UNBOUNDED
 from protos.kvserve.v1 import kvserve_pb2 as pb
@@ -108,6 +109,8 @@ def validate_sampling(
     if opts.HasField("structured_output") and opts.structured_output.ByteSize() > MAX_STRUCTURED_BYTES:
         raise ValueError(f"structured_output is {opts.structured_output.ByteSize()} bytes; at most "
                          f"{MAX_STRUCTURED_BYTES} are allowed")  # fmt: skip
+    if opts.HasField("priority"):
+        check_priority(opts.priority)
     params = sampling_from_proto(opts)
     params.validate(vocab_size)
     if max_context is not None and not is_streaming(opts):

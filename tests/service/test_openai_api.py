@@ -108,6 +108,8 @@ def test_stop_string_and_models_and_health(stack, client):
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "hi", "top_k": 1 << 40}, "range"),
+    ({"prompt": "hi", "priority": 1 << 31}, "priority must be an integer in [-2147483648, 2147483647]"),
+    ({"prompt": "hi", "priority": -(1 << 40)}, "priority must be an integer"),
 ])  # fmt: skip
 def test_bad_input_is_400_with_an_openai_error_object(stack, body, param_hint):
     status, reply = _http(stack.http_url + "/v1/completions", {"model": MODEL, **body})

@@ -48,6 +48,7 @@ def _chat_without_messages() -> pb.GenerateRequest:
         (build_request([{"role": "robot", "content": "hi"}]), r"chat message 0 has role 'robot'; use one of"),
         (build_request([{"role": "user", "content": ""}] * CONTEXT), "chat has 8192 messages"),
         (build_request([1, 2, 10**6]), r"prompt token ids must be integers in \[0, 49152\); got \[1000000\]"),
+        (build_request([1, 2], priority=2**31), r"priority must be an integer in \[-2147483648, 2147483647\], got "),
         (build_request([5, -1]), r"prompt token ids must be integers in \[0, 49152\); got \[-1\]"),
         (build_request([1] * CONTEXT), "prompt has 8192 tokens; the model's context is 8192"),
         (build_request("word " * 9000), "the model's context is 8192"),

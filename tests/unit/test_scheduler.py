@@ -181,3 +181,59 @@ def test_a_finished_sequence_frees_its_blocks():
     scheduler.finish(a, "stop")
     assert scheduler.block_manager.num_free_blocks == 4
     assert a.status is SequenceStatus.FINISHED and not scheduler.has_unfinished()
+
+
+def _prioritized(name: str, num_tokens: int, priority: int) -> Sequence:
+    seq = _seq(name, num_tokens)
+    seq.priority = priority
+    return seq
+
+
+def test_waiting_sequences_are_taken_by_priority_then_arrival_and_the_preempted_go_first_of_their_priority():
+    scheduler = _scheduler(num_blocks=32, max_num_seqs=1)
+    seqs = {name: _prioritized(name, 4, p) for name, p in (("a", 5), ("b", 0), ("c", 5), ("d", -3), ("e", 0))}
+    for seq in seqs.values():
+        scheduler.add(seq)
+    assert [s.seq_id for s in scheduler.waiting] == ["d", "b", "e", "a", "c"]
+    scheduler._requeue(_prioritized("p", 4, 0))  # a preempted sequence: before b and e, after d
+    scheduler.add(_prioritized("f", 4, 5))
+    assert [s.seq_id for s in scheduler.waiting] == ["d", "p", "b", "e", "a", "c", "f"]
+    assert _run(scheduler) == [("d", 4)]
+
+
+def test_out_of_blocks_the_lowest_priority_not_yet_scheduled_is_preempted():
+    """Running in admission order a, b (priority 9), c (priority 1), the pool full: b's 5th token needs a block.
+    The victim is the lowest priority among those not yet scheduled this step, b itself, where the FCFS rule
+    alone (the most recently admitted) would have taken c."""
+    scheduler = _scheduler(num_blocks=5, budget=64)
+    a, b, c = _prioritized("a", 8, 0), _prioritized("b", 3, 9), _prioritized("c", 3, 1)
+    scheduler.add(a)
+    assert _run(scheduler) == [("a", 8)]
+    scheduler.add(b)
+    assert _run(scheduler) == [("a", 1), ("b", 3)]
+    scheduler.add(c)
+    assert _run(scheduler) == [("a", 1), ("b", 1), ("c", 3)]
+    assert [s.seq_id for s in scheduler.running] == ["a", "b", "c"] and scheduler.block_manager.num_free_blocks == 0
+    assert _run(scheduler) == [("a", 1), ("c", 1)]
+    assert b.status is SequenceStatus.WAITING and b.num_preemptions == 1 and c.num_preemptions == 0
+
+
+def test_the_priority_policy_preempts_a_lower_priority_running_sequence_for_a_waiting_one():
+    """One slot: under ``priority`` a waiting sequence of a higher priority takes it from the running one,
+    which goes back first of its priority and is recomputed later; under ``fcfs`` it waits. A sequence of the
+    same priority never preempts."""
+    for policy, expected in (("priority", [("urgent", 4)]), ("fcfs", [("low", 1)])):
+        scheduler = Scheduler(BlockManager(32, BLOCK), 1, 64, policy=policy)
+        low = _prioritized("low", 6, 3)
+        scheduler.add(low)
+        assert _run(scheduler) == [("low", 6)]
+        urgent = _prioritized("urgent", 4, 1)
+        scheduler.add(urgent)
+        assert _run(scheduler) == expected, policy
+        if policy == "priority":
+            assert low.status is SequenceStatus.WAITING and low.num_preemptions == 1 and not low.block_table.size
+            assert list(scheduler.waiting) == [low] and scheduler.running == [urgent]
+            peer = _prioritized("peer", 4, 1)
+            scheduler.add(peer)
+            assert _run(scheduler) == [("urgent", 1)]  # the same priority waits for the slot
+            assert list(scheduler.waiting) == [peer, low]
