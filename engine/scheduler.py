@@ -22,9 +22,11 @@ sequence slot, but it is never a preemption victim (a writer may be filling its
 blocks).
 
 Priorities (``Sequence.priority``, lower first): the waiting queue is ordered by priority, then arrival; a
-preempted sequence (or one whose load failed) goes back to the front of its priority, not of the queue. A
-running sequence preempted for lack of blocks is the lowest-priority one not yet scheduled this step, the
-latest admitted among equals (with one priority: the most recently admitted, as before). Under the
+preempted sequence (or one whose load failed) goes back to the front of its priority, not of the queue. The
+running sequences are kept in priority order too (admission order within one), so a higher priority's prompt
+chunks come first out of each step's budget, and the one preempted for lack of blocks is the last not yet
+scheduled this step: the lowest priority, the latest admitted among equals (with one priority: the most
+recently admitted, as before). Under the
 ``priority`` policy a waiting sequence that finds no slot or no blocks also preempts the lowest-priority running
 sequence below its own priority (not one admitted in the same step), until it fits or none is left. With
 equal priorities every rule is the FCFS one.
@@ -105,6 +107,15 @@ class Scheduler:
         else:
             waiting.insert(next(i for i, s in enumerate(waiting) if s.priority > seq.priority), seq)
 
+    def _run(self, seq: Sequence) -> None:
+        """Add ``seq`` to the running, last of its priority: each step walks them in this order, so a prompt of a
+        higher priority takes its chunks of the token budget before those of a lower one."""
+        running = self.running
+        if not running or running[-1].priority <= seq.priority:
+            running.append(seq)
+        else:
+            running.insert(next(i for i, s in enumerate(running) if s.priority > seq.priority), seq)
+
     def _requeue(self, seq: Sequence) -> None:
         """Put ``seq`` back first of its priority (preempted, or its load failed)."""
         waiting = self.waiting
@@ -141,8 +152,7 @@ class Scheduler:
                 seq.spec_token_ids.clear()  # no blocks for its proposals: it decodes plainly, preempting no one
                 n = seq.num_tokens_to_compute(seq.num_computed_tokens, budget)
             while not self._allocate(seq, seq.num_computed_tokens + n):
-                # the lowest priority not yet scheduled this step, the latest admitted among equals
-                victim = self.running.pop(max(range(i, len(self.running)), key=lambda j: (self.running[j].priority, j)))
+                victim = self.running.pop()  # the lowest priority, the latest admitted among equals
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -202,7 +212,7 @@ class Scheduler:
                 self.waiting_for_kv[seq.seq_id] = seq
             else:
                 seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
+                self._run(seq)
                 admitted.append(seq)
                 picked.append((seq, n))
                 budget -= n
@@ -256,7 +266,7 @@ class Scheduler:
             else:
                 seq.num_computed_tokens = seq.num_tokens
                 seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
+                self._run(seq)
                 loaded.append((seq, load))
         return loaded
 

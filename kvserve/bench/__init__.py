@@ -17,6 +17,7 @@
 * ``peer``: ``kvserve up`` against llama.cpp's ``llama-server`` on this host (built once from its sdist), same
   weights and client, at 1 and 16 users;
 * ``tp``: tensor parallelism against one rank on this host: tokens/s and the collectives' share of a step;
+* ``priority``: high-priority TTFT through a cluster, unloaded and under an overload of low-priority users;
 * ``kernels``: the Triton kernels against PyTorch's SDPA on a CUDA GPU, and the decode tile-config sweep
   (``kernel_sweep``, on ``kernel_inputs``).
 
@@ -27,4 +28,4 @@
 
 # module: the name with "_" for "-"
 BENCHES = ("offline", "serve", "transfer", "cuda_ipc", "kv-curve", "tiers", "ring", "load", "kernels", "sampling",
-           "tracing", "peer", "tp")
+           "tracing", "peer", "tp", "priority")

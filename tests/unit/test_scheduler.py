@@ -201,10 +201,10 @@ def test_waiting_sequences_are_taken_by_priority_then_arrival_and_the_preempted_
     assert _run(scheduler) == [("d", 4)]
 
 
-def test_out_of_blocks_the_lowest_priority_not_yet_scheduled_is_preempted():
-    """Running in admission order a, b (priority 9), c (priority 1), the pool full: b's 5th token needs a block.
-    The victim is the lowest priority among those not yet scheduled this step, b itself, where the FCFS rule
-    alone (the most recently admitted) would have taken c."""
+def test_running_sequences_keep_priority_order_and_the_lowest_is_preempted_out_of_blocks():
+    """Admitted a, then b (priority 9), then c (priority 1), they run as a, c, b: c's prompt chunks would come
+    before b's. The pool full, b's 5th token needs a block: b, the last (the lowest priority), is preempted, where
+    admission order alone would have put c last and taken it."""
     scheduler = _scheduler(num_blocks=5, budget=64)
     a, b, c = _prioritized("a", 8, 0), _prioritized("b", 3, 9), _prioritized("c", 3, 1)
     scheduler.add(a)
@@ -213,7 +213,7 @@ def test_out_of_blocks_the_lowest_priority_not_yet_scheduled_is_preempted():
     assert _run(scheduler) == [("a", 1), ("b", 3)]
     scheduler.add(c)
     assert _run(scheduler) == [("a", 1), ("b", 1), ("c", 3)]
-    assert [s.seq_id for s in scheduler.running] == ["a", "b", "c"] and scheduler.block_manager.num_free_blocks == 0
+    assert [s.seq_id for s in scheduler.running] == ["a", "c", "b"] and scheduler.block_manager.num_free_blocks == 0
     assert _run(scheduler) == [("a", 1), ("c", 1)]
     assert b.status is SequenceStatus.WAITING and b.num_preemptions == 1 and c.num_preemptions == 0
 
