@@ -53,7 +53,7 @@ ISA_MODULES := tests/engine/test_handoff.py tests/engine/test_prefix_cache.py te
 	tests/unit/test_disk_tier.py tests/unit/test_transfer_backend.py tests/unit/test_transfer_blocks.py \
 	tests/unit/test_transfer_shm.py tests/engine/test_continuation.py tests/engine/test_speculative.py \
 	tests/engine/test_engine_correctness.py tests/engine/test_streaming.py tests/engine/test_kv_consistency.py \
-	tests/unit/test_sampler.py
+	tests/unit/test_sampler.py tests/unit/test_split_pool.py tests/engine/test_priority.py
 test-isa: $(STAMP)
 	$(PY) -m pytest -q -m 'not soak' $(ISA_MODULES)
 	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 MKL_CBWR=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
