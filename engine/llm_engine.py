@@ -26,7 +26,6 @@ blocks included, is cached once its KV is computed and stays until evicted
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 
@@ -77,10 +76,8 @@ class LLMEngine:
         self.requests = RequestValidator(self.config, self.model_config, self.tokenizer, self.max_model_len,
                                          self.runner.num_blocks, self.runner.model_ring)  # fmt: skip
         self.requests.ring_for(SamplingParams())  # the engine's own streaming options fit this model and pool
-        # the KV layout, of all heads: the same for every tensor-parallel split (a rank's pool holds its heads of
-        # the same blocks, and hand-offs move whole heads: ``kvstore.split_pool``)
-        whole = dataclasses.replace(self.runner.kv_spec, num_kv_heads=self.model_config.num_kv_heads)
-        self.prefix_salt = fingerprint(self.model_config.architecture, whole)
+        # the KV layout of all heads, the same for every tensor-parallel split (hand-offs move whole heads)
+        self.prefix_salt = fingerprint(self.model_config.architecture, self.runner.kv_pool_spec)
         caching, salt = self.config.enable_prefix_caching, self.prefix_salt
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_caching=caching, salt=salt)
         self.tiers = build_tiers(self.config, self.runner.kv_spec, self.runner.device, self.block_manager,
@@ -135,7 +132,7 @@ class LLMEngine:
         """Queue a request; returns its id. ``params.n`` choices of it are sampled (``engine.parallel_sampling``);
         ``continuation`` goes on from output another worker already streamed (``engine.continuation``; one
         choice only); ``kv_params`` is the KV connector's data about it (``Sequence.kv_params``, every choice's);
-        ``priority`` (an int32, lower first) orders it among the waiting (``engine.scheduler``)."""
+        ``priority``: an int32, lower first (``engine.scheduler``)."""
         params = params or SamplingParams()
         check_priority(priority)
         if params.n > 1 and continuation is not None:

@@ -84,6 +84,7 @@ class ModelRunner:
             self.close()
             raise
         self.kv_spec = kv_spec(local, config, self.dtype)  # (a rank's: its KV heads)
+        self.kv_pool_spec = kv_spec(model_config, config, self.dtype)  # all heads, whatever the split
         num_blocks = config.num_blocks
         if num_blocks is None:
             budget = default_kv_bytes(config, self.device)

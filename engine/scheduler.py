@@ -42,7 +42,6 @@ is passed over the same way, without counting as passed over.
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -83,7 +82,6 @@ class Scheduler:
                  connector: KVConnector | None = None, policy: str = "fcfs") -> None:  # fmt: skip
         self.block_manager = block_manager
         self.policy = policy
-        self._arrivals = itertools.count()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.connector = connector or KVConnector()
@@ -96,33 +94,16 @@ class Scheduler:
     def add(self, seq: Sequence, first: bool = False) -> None:
         """Queue ``seq`` last of its priority, or ``first`` (a choice of a request already admitted,
         ``engine.parallel_sampling``)."""
-        if seq.arrival < 0:
-            seq.arrival = next(self._arrivals)
-        if first:
-            self._requeue(seq)
-            return
-        waiting = self.waiting
-        if not waiting or waiting[-1].priority <= seq.priority:
-            waiting.append(seq)
-        else:
-            waiting.insert(next(i for i, s in enumerate(waiting) if s.priority > seq.priority), seq)
+        _insert(self.waiting, seq, first)
 
     def _run(self, seq: Sequence) -> None:
         """Add ``seq`` to the running, last of its priority: each step walks them in this order, so a prompt of a
         higher priority takes its chunks of the token budget before those of a lower one."""
-        running = self.running
-        if not running or running[-1].priority <= seq.priority:
-            running.append(seq)
-        else:
-            running.insert(next(i for i, s in enumerate(running) if s.priority > seq.priority), seq)
+        _insert(self.running, seq)
 
     def _requeue(self, seq: Sequence) -> None:
         """Put ``seq`` back first of its priority (preempted, or its load failed)."""
-        waiting = self.waiting
-        if not waiting or waiting[0].priority >= seq.priority:
-            waiting.appendleft(seq)
-        else:
-            waiting.insert(next((i for i, s in enumerate(waiting) if s.priority >= seq.priority), len(waiting)), seq)
+        _insert(self.waiting, seq, first=True)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv)
@@ -303,6 +284,16 @@ class Scheduler:
         seq.finish_reason = reason
         if not self.connector.request_finished(seq):
             self._free(seq)
+
+
+def _insert(queue: deque[Sequence] | list[Sequence], seq: Sequence, first: bool = False) -> None:
+    """Put ``seq`` into ``queue`` (in priority order, arrival order within one) last of its priority, or
+    ``first``; with one priority, at the end or the front."""
+    if not first and (not queue or queue[-1].priority <= seq.priority):
+        queue.append(seq)
+        return
+    after = (lambda s: s.priority >= seq.priority) if first else (lambda s: s.priority > seq.priority)
+    queue.insert(next((i for i, s in enumerate(queue) if after(s)), len(queue)), seq)
 
 
 def _may_load(seq: Sequence) -> bool:

@@ -67,7 +67,6 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
     grammar: GrammarState | None = None  # its structured output's matcher (``engine.structured_output``)
     priority: int = 0  # lower first (vLLM's spelling), an int32; its request's, every choice's
-    arrival: int = -1  # its place in arrival order, given by the scheduler when first queued
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or self.seq_id

@@ -78,11 +78,9 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         runner = engine.runner
         if runner.kv_pool is None:  # (prefill_service.__main__ refuses it first)
             raise ValueError("a prefill worker split over NCCL ranks cannot reach their KV to hand it off")
-        # under tensor parallelism every rank's heads move, from the parts this process maps (kvstore.split_pool)
-        engine.connect(HandoffConnector(runner.kv_pool, engine.config.block_size))
+        engine.connect(HandoffConnector(runner.kv_pool, engine.config.block_size))  # every rank's heads move
         self.fingerprint = engine.prefix_salt  # the KV layout, of all heads (the same for every TP size)
         self.kv_heads = runner.kv_heads  # advertised: what each rank holds
-        self.offers_nixl = nixl_installed()
         self.destinations = Destinations(runner.kv_pool.spec, self.fingerprint, worker_id, security, registry,
                                          runner.device)  # fmt: skip
         self._jobs = JobQueue()
@@ -173,7 +171,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
     def info(self) -> WorkerInfo:
         return WorkerInfo(worker_id=self.worker_id, role="prefill", address=self.address, host_id=local_host_id(),
                           device=str(self.engine.runner.device), fingerprint=self.fingerprint,
-                          block_size=self.engine.config.block_size, transports=Backend.NIXL if self.offers_nixl else "",
+                          block_size=self.engine.config.block_size, transports=Backend.NIXL if nixl_installed() else "",
                           kv_heads=self.kv_heads, **self.load())  # fmt: skip
 
     def drain(self, timeout_s: float) -> None:
