@@ -92,18 +92,24 @@ def main() -> None:
     assert tokens["compiled"] == tokens["eager"], "compiled and eager decoding gave different tokens"
     gbs = statistics.median(bandwidths)
     floor_ms = (weight_bytes + kv_bytes) / gbs / 1e6
-    print(f"read bandwidth {gbs:.1f} GB/s on {torch.get_num_threads()} threads (probes: "
-          f"{' '.join(f'{b:.0f}' for b in bandwidths)}); a step reads {weight_bytes / 1e6:.0f} MB of weights and "
-          f"{kv_bytes / 1e6:.1f} MB of KV: floor {floor_ms:.1f} ms at the median")
+    print(
+        f"read bandwidth {gbs:.1f} GB/s on {torch.get_num_threads()} threads (probes: "
+        f"{' '.join(f'{b:.0f}' for b in bandwidths)}); a step reads {weight_bytes / 1e6:.0f} MB of weights and "
+        f"{kv_bytes / 1e6:.1f} MB of KV: floor {floor_ms:.1f} ms at the median"
+    )
     for name, runs in times.items():
         ms = statistics.median(runs)
-        print(f"{name:>9}: {ms:.1f} ms a token (rounds: {' '.join(f'{t:.1f}' for t in runs)}), "
-              f"{statistics.median(ratios[name]):.2f}x its moment's floor (rounds: "
-              f"{' '.join(f'{x:.2f}' for x in ratios[name])}), {weight_bytes / ms / 1e6:.1f} GB/s of weights")
+        print(
+            f"{name:>9}: {ms:.1f} ms a token (rounds: {' '.join(f'{t:.1f}' for t in runs)}), "
+            f"{statistics.median(ratios[name]):.2f}x its moment's floor (rounds: "
+            f"{' '.join(f'{x:.2f}' for x in ratios[name])}), {weight_bytes / ms / 1e6:.1f} GB/s of weights"
+        )
     read_ms = statistics.median(reads)
-    print(f"reading the weights tensor by tensor (torch.sum): {read_ms:.1f} ms (rounds: "
-          f"{' '.join(f'{t:.1f}' for t in reads)}); compiled/that: "
-          f"{statistics.median(times['compiled']) / read_ms:.2f}x")
+    print(
+        f"reading the weights tensor by tensor (torch.sum): {read_ms:.1f} ms (rounds: "
+        f"{' '.join(f'{t:.1f}' for t in reads)}); compiled/that: "
+        f"{statistics.median(times['compiled']) / read_ms:.2f}x"
+    )
     print(f"compiled/eager: {statistics.median(times['compiled']) / statistics.median(times['eager']):.2f}x")
 
 
