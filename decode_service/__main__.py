@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from decode_service.disaggregation import DisaggPolicy
 from decode_service.settings import DecodeSettings
 from engine import LLMEngine
 from rpc.compute_lease import ComputeLease
@@ -34,7 +35,9 @@ def main(argv: list[str] | None = None) -> None:
                           prefill_timeout_s=settings.prefill_timeout_s,
                           prefill_ms_per_token=settings.prefill_ms_per_token, kv_transport=settings.kv_transport,
                           prefill_reads_cached_prefix=settings.prefill_reads_cached_prefix,
-                          compute=ComputeLease(settings.compute_lease, "decode"))  # fmt: skip
+                          compute=ComputeLease(settings.compute_lease, "decode"),
+                          disagg=DisaggPolicy(settings.disagg_min_uncached_tokens,
+                                              settings.disagg_max_prefill_queue))  # fmt: skip
     logging.info("decode worker %s serving on %s (KV pool: %s)", worker_id, worker.address,
                  engine.runner.kv_pool_path or "private")  # fmt: skip
     serve(worker, {"Decode": worker, "KVTransfer": worker.receiver}, aio, security, settings, registry,

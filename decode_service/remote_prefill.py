@@ -4,8 +4,9 @@ The engine's scheduler admits the request (it owns the waiting queue and the blo
 whether its prompt is loaded from outside and does the loading:
 
 * ``num_external_tokens``: a queued request is prefilled remotely when a live, untried prefill worker with
-  our layout exists (every token after our cached prefix comes from there, asynchronously); otherwise it is
-  computed here, by the engine's own chunked prefill (``local``).
+  our layout exists and the ``DisaggPolicy`` says a hand-off pays (every token after our cached prefix comes
+  from there, asynchronously); otherwise it is computed here, by the engine's own chunked prefill
+  (``local``).
 * ``after_allocate``: its blocks are allocated: lease those after our cached prefix to the prefill worker
   and call its ``Prefill`` (PREFILLING). A prefill worker that maps our pool may read the cached prefix
   blocks in place (``prefill_reads_cached_prefix``).
@@ -29,12 +30,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from decode_service.disaggregation import Decision, DisaggPolicy
 from decode_service.prefill_client import PrefillClient, Quarantine
 from decode_service.request import ActiveRequest, Admission, RequestState
 from engine.kv_connector import FinishedLoad, KVConnector
 from engine.sequence import Sequence
 from kvstore.split_pool import SplitPool
 from protos.kvserve.v1 import kvserve_pb2 as pb
+from rpc import metrics
 from rpc.convert import logprobs_from_proto
 from transfer.backend import LOCAL, Backend, Endpoint, choose_backend
 from transfer.nixl_agent import NixlOffer
@@ -64,7 +67,8 @@ class RemotePrefillConnector(KVConnector):
     def __init__(self, pool: PoolOffer, kv_cache: SplitPool, block_size: int, prefills: PrefillClient,
                  quarantine: Quarantine, admission: Admission, wake: Callable[[], None], revoke_lock: threading.Lock,
                  forced: Backend | None = None, offer_cached_prefix: bool = True,
-                 nixl: NixlOffer | None = None) -> None:  # fmt: skip
+                 nixl: NixlOffer | None = None, policy: DisaggPolicy | None = None,
+                 prefilling_here: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
         self.pool, self.kv_cache, self.block_size = pool, kv_cache, block_size
         self.prefills, self.quarantine, self.admission, self.wake = prefills, quarantine, admission, wake
         self.forced, self.offer_cached_prefix = forced, offer_cached_prefix
@@ -74,6 +78,8 @@ class RemotePrefillConnector(KVConnector):
         self.nixl = nixl  # our pool as NIXL peers reach it; None: NIXL is not installed here
         self.no_nixl: set[str] = set()  # prefill workers a nixl hand-off to failed: grpc from then on
         self._notified: set[tuple[str, str]] = set()  # (request id, writer) whose NIXL write completed
+        self.policy = policy or DisaggPolicy()
+        self.prefilling_here = prefilling_here  # prompts the engine is computing now (its own prefills)
 
     # -- scheduler side ----------------------------------------------------------------------------------
 
@@ -81,12 +87,21 @@ class RemotePrefillConnector(KVConnector):
         req: ActiveRequest | None = seq.kv_params
         if req is None or req.state is not S.QUEUED:
             return 0, False  # already prefilled once (a preempted request is recomputed here)
-        if seq.params.max_tokens == 0:
-            return 0, False  # it only scores its prompt: there is no decoding to hand it over for
-        req.target = self.prefills.pick(req.tried, req.preferred_prefill)
         # what we hold: our prefix cache's hit plus what a connector before us (a memory tier) loads
         req.num_cached_tokens = num_cached_tokens
-        return (seq.num_tokens - num_cached_tokens, True) if req.target is not None else (0, False)
+        uncached = seq.num_tokens - num_cached_tokens
+        if seq.params.max_tokens == 0:
+            decision, req.target = Decision.SCORE, None  # there is no decoding to hand it over for
+        else:
+            target = self.prefills.pick(req.tried, req.preferred_prefill)
+            at_target = target.worker_id if target is not None else None
+            ours = sum(1 for r in self.in_flight.values() if r.prefill_worker == at_target)
+            decision = self.policy.decide(uncached, target, ours, self.prefilling_here())
+            req.target = target if decision is Decision.REMOTE else None
+        metrics.DISAGG_DECISIONS.labels(decision.value).inc()
+        req.span.set(disagg_decision=decision.value, uncached_tokens=uncached)
+        return (uncached, True) if req.target is not None else (0, False)
+
 
     def after_allocate(self, seq: Sequence, num_external_tokens: int) -> None:
         req: ActiveRequest | None = seq.kv_params

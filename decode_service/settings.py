@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rpc.options import KVTransportChoice
+from rpc.options import DisaggSettings, KVTransportChoice
 from rpc.worker_options import WorkerSettings
 
 
-class DecodeSettings(WorkerSettings):
+class DecodeSettings(WorkerSettings, DisaggSettings):
     """decode worker"""
 
     port: int = Field(50061, ge=0, le=65535, description="the gRPC port")

@@ -7,7 +7,9 @@
 2. The engine's scheduler admits it when its blocks fit (a request that does not fit lets smaller ones
    pass, ``engine.scheduler``). The KV connector (``remote_prefill``) then calls a prefill worker's
    ``Prefill`` with the blocks after our cached prefix under a signed lease (PREFILLING; the scheduler's
-   WAITING_FOR_REMOTE_KV); with no prefill worker the engine prefills it here (RUNNING).
+   WAITING_FOR_REMOTE_KV); with no prefill worker, or where a hand-off would not pay (few uncached tokens,
+   every prefill worker's queue long: ``disaggregation.DisaggPolicy``), the engine prefills it here
+   (RUNNING).
 3. The prefill worker writes the KV into those blocks (``shm``: in place; ``grpc``: ``KVReceiver.PushKV``)
    and answers with the first token and a checksum, which the connector verifies against our blocks: the
    request runs (RUNNING). A failed prefill is retried on another prefill worker, then locally; blocks its
@@ -35,6 +37,7 @@ import grpc
 
 from cluster_state.registry import Registry
 from cluster_state.workers import WorkerInfo, local_host_id
+from decode_service.disaggregation import DisaggPolicy
 from decode_service.prefill_client import PrefillClient, Quarantine
 from decode_service.remote_prefill import PoolOffer, RemotePrefillConnector
 from decode_service.request import ActiveRequest, Admission, RequestState, validate_decode_request
@@ -60,7 +63,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
                  registry: Registry | None = None, shm_path: str = "", max_waiting: int = 64,
                  prefill_timeout_s: float = 30.0, prefill_ms_per_token: float = 20.0,
                  kv_transport: str | None = None, prefill_reads_cached_prefix: bool = True,
-                 compute: ComputeLease | None = None) -> None:  # fmt: skip
+                 compute: ComputeLease | None = None, disagg: DisaggPolicy | None = None) -> None:  # fmt: skip
         self.engine, self.worker_id, self.address, self.security = engine, worker_id, address, security
         self.compute = compute or ComputeLease(None)  # held around each step (rpc.compute_lease)
         runner = engine.runner
@@ -93,7 +96,8 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         self.connector = RemotePrefillConnector(
             pool, whole, engine.config.block_size, self.prefills, self.quarantine, self.admission,
             lambda: self._inbox.put(("wake", None)), self.receiver.lock,
-            Backend(kv_transport) if kv_transport else None, prefill_reads_cached_prefix, self.nixl)  # fmt: skip
+            Backend(kv_transport) if kv_transport else None, prefill_reads_cached_prefix, self.nixl, disagg,
+            engine.scheduler.num_prefilling)  # fmt: skip
         engine.connect(self.connector)
         self._active: dict[str, ActiveRequest] = {}
         self._drain_deadline: float | None = None  # set by drain(): no admissions from then on

@@ -24,7 +24,7 @@ def check_continuation(continuation: Continuation, num_prompt_tokens: int, param
                        vocab_size: int, max_model_len: int) -> None:  # fmt: skip
     """``ValueError`` unless ``continuation`` can go on after a prompt of ``num_prompt_tokens`` tokens."""
     outputs = continuation.output_token_ids
-    check_token_ids(outputs, vocab_size, "resumed output token")
+    check_token_ids(outputs, vocab_size, "resumed output token ids")
     if not 0 < len(outputs) < params.max_tokens:
         raise ValueError(f"a continuation resumes 1 to max_tokens - 1 = {params.max_tokens - 1} output tokens, "
                          f"got {len(outputs)}")  # fmt: skip

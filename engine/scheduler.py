@@ -105,6 +105,11 @@ class Scheduler:
         """Put ``seq`` back first of its priority (preempted, or its load failed)."""
         _insert(self.waiting, seq, first=True)
 
+    def num_prefilling(self) -> int:
+        """Running sequences with more than their last token to compute: prompts (or preempted sequences'
+        recomputes) being prefilled here, chunk by chunk."""
+        return sum(1 for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv)
 

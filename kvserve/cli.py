@@ -73,7 +73,8 @@ def _up(up: UpSettings) -> None:
     tracing.setup("launcher", "kvserve-up", up)
     security = _cluster_security(up)
     _warn_of_a_password_on_the_command_line(up.redis_url)
-    print(f"kvserve: starting {up.prefill} prefill + {up.decode} decode workers and a router...", flush=True)
+    routers = "a router" if up.routers == 1 else f"{up.routers} routers"
+    print(f"kvserve: starting {up.prefill} prefill + {up.decode} decode workers and {routers}...", flush=True)
 
     def interrupt(*_) -> None:
         raise KeyboardInterrupt
@@ -91,7 +92,8 @@ def _up(up: UpSettings) -> None:
     try:
         print("\n".join(cluster.lines()), flush=True)
         redis = _describe_redis(cluster)
-        print(f"kvserve: serving kvserve.v1.Inference on {cluster.endpoint} (Redis: {redis}); Ctrl-C stops", flush=True)
+        print(f"kvserve: serving kvserve.v1.Inference on {','.join(cluster.endpoints)} (Redis: {redis}); Ctrl-C stops",
+              flush=True)  # fmt: skip
         if cluster.http_endpoint:
             print(f"kvserve: OpenAI-compatible API on {cluster.http_endpoint}/v1", flush=True)
         Supervisor(cluster.units()).run(stop)

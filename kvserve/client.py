@@ -14,15 +14,20 @@ where the cluster traces (``--otlp-traces-endpoint``), a part of the caller's.
 its ``index``, and ``generate`` returns a list of k ``Result``s, by index (with ``n`` unset or 1, one
 ``Result``, as ever). The request's usage (the prompt once, every choice's completion tokens), timings and
 workers come on the stream's last chunk; with ``n=k`` every ``Result`` carries them.
+
+``address`` may name several routers (a list, ``"a:50051,b:50051"``, or a DNS name with several records):
+each call starts on the next, and one that fails is retried, or its stream resumed, through another
+(``kvserve.failover``; ``failover=False`` turns that off).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
+from kvserve.failover import Call, Routers, router_addresses
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc.requests import Prompt, api_key_metadata, build_request
@@ -130,37 +135,56 @@ def _metadata(api_key: tuple[tuple[str, str], ...], traceparent: str | None) -> 
     return api_key + ((("traceparent", traceparent),) if traceparent else ())
 
 
+def _channels(grpc_module, address: str | Sequence[str], credentials: grpc.ChannelCredentials | None) -> list:
+    """One channel per router (``grpc`` or ``grpc.aio``)."""
+    addresses, tls_name = router_addresses(address)
+    if credentials is None:
+        return [grpc_module.insecure_channel(a) for a in addresses]
+    options = [("grpc.ssl_target_name_override", tls_name)] if tls_name else []
+    return [grpc_module.secure_channel(a, credentials, options=options) for a in addresses]
+
+
 class Client:
-    """A client of the router's public port; ``credentials`` (``grpc.ssl_channel_credentials``) when it serves TLS;
-    ``api_key`` (default ``$KVSERVE_API_KEY``) when it wants one."""
+    """A client of the routers' public port (one or several: ``kvserve.failover``); ``credentials``
+    (``grpc.ssl_channel_credentials``) when they serve TLS; ``api_key`` (default ``$KVSERVE_API_KEY``) when
+    they want one."""
 
     def __init__(
         self,
-        address: str = "127.0.0.1:50051",
+        address: str | Sequence[str] = "127.0.0.1:50051",
         timeout_s: float | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         api_key: str | None = None,
+        failover: bool = True,
     ) -> None:
-        if credentials is None:
-            self._channel = grpc.insecure_channel(address)
-        else:
-            self._channel = grpc.secure_channel(address, credentials)
-        self._stub = pb_grpc.InferenceStub(self._channel)
+        self._channels = _channels(grpc, address, credentials)
+        self._stubs = [pb_grpc.InferenceStub(channel) for channel in self._channels]
+        self._routers = Routers(len(self._channels), failover)
         self._metadata = api_key_metadata(api_key)
         self.timeout_s = timeout_s
 
     def stream(self, prompt: Prompt, traceparent: str | None = None, **options) -> Iterator[Chunk]:
-        call = self._stub.Generate(build_request(prompt, **options), timeout=self.timeout_s,
-                                   metadata=_metadata(self._metadata, traceparent))  # fmt: skip
-        for msg in call:
-            yield _chunk(msg)
+        call = Call(build_request(prompt, **options), self._routers)
+        metadata = _metadata(self._metadata, traceparent)
+        for index, request, last in call.tries():
+            rpc = self._stubs[index].Generate(request, timeout=self.timeout_s, metadata=metadata)
+            try:
+                for msg in rpc:
+                    call.received(msg)
+                    yield _chunk(msg)
+                return
+            except grpc.RpcError as err:
+                call.failed(index, err, last)
+            finally:
+                rpc.cancel()  # a no-op once it ended; the caller stopped reading otherwise
 
     def generate(self, prompt: Prompt, **options) -> Result | list[Result]:
         """The whole answer: a ``Result``, or with ``n=k`` (k > 1) a list of k, by choice."""
         return _results(list(self.stream(prompt, **options)), options.get("n"))
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> Client:
         return self
@@ -174,30 +198,39 @@ class AsyncClient:
 
     def __init__(
         self,
-        address: str = "127.0.0.1:50051",
+        address: str | Sequence[str] = "127.0.0.1:50051",
         timeout_s: float | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         api_key: str | None = None,
+        failover: bool = True,
     ) -> None:
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(address)
-        else:
-            self._channel = grpc.aio.secure_channel(address, credentials)
-        self._stub = pb_grpc.InferenceStub(self._channel)
+        self._channels = _channels(grpc.aio, address, credentials)
+        self._stubs = [pb_grpc.InferenceStub(channel) for channel in self._channels]
+        self._routers = Routers(len(self._channels), failover)
         self._metadata = api_key_metadata(api_key)
         self.timeout_s = timeout_s
 
     async def stream(self, prompt: Prompt, traceparent: str | None = None, **options) -> AsyncIterator[Chunk]:
-        call = self._stub.Generate(build_request(prompt, **options), timeout=self.timeout_s,
-                                   metadata=_metadata(self._metadata, traceparent))  # fmt: skip
-        async for msg in call:
-            yield _chunk(msg)
+        call = Call(build_request(prompt, **options), self._routers)
+        metadata = _metadata(self._metadata, traceparent)
+        for index, request, last in call.tries():
+            rpc = self._stubs[index].Generate(request, timeout=self.timeout_s, metadata=metadata)
+            try:
+                async for msg in rpc:
+                    call.received(msg)
+                    yield _chunk(msg)
+                return
+            except grpc.RpcError as err:
+                call.failed(index, err, last)
+            finally:
+                rpc.cancel()
 
     async def generate(self, prompt: Prompt, **options) -> Result | list[Result]:
         return _results([c async for c in self.stream(prompt, **options)], options.get("n"))
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -28,6 +28,7 @@ from pydantic import Field
 from engine.config import EngineConfig
 from router.settings import ApiKeySettings, ServedModelSettings, StreamSettings
 from rpc.options import (
+    DisaggSettings,
     DrainSettings,
     KVTransportChoice,
     RegistrySettings,
@@ -41,11 +42,17 @@ UP_SET_FIELDS = ("gpu_memory_utilization", "shared_kv_name", "tensor_parallel_si
 
 
 class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings, ServedModelSettings, ApiKeySettings,
-                 SecuritySettings, TracingSettings, EngineConfig):  # fmt: skip
+                 SecuritySettings, TracingSettings, DisaggSettings, EngineConfig):  # fmt: skip
     """cluster: what kvserve up starts (the options above go to its processes)"""
 
     prefill: int = Field(1, ge=0, description="number of prefill workers")
     decode: int = Field(1, ge=0, description="number of decode workers")
+    routers: int = Field(
+        1,
+        ge=1,
+        description="number of routers, replicas over the same workers and Redis: router i > 0 listens on port + "
+        "50 + i and http_port + i (kvserve.Client given them all fails over between them)",
+    )
     port: int = Field(50051, ge=1, le=65535, description="the router's port (workers use the next ports)")
     http_port: int = Field(8000, ge=0, le=65535, description="the router's OpenAI-compatible HTTP API; 0: none")
     redis_tcp: bool = Field(
@@ -87,8 +94,9 @@ class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings
     )
 
     def decode_argv(self) -> list[str]:
-        """The decode workers' own flags given to ``kvserve up``: ``--kv-transport``."""
-        return ["--kv-transport", self.kv_transport] if self.kv_transport else []
+        """The decode workers' own flags given to ``kvserve up``: ``--kv-transport`` and the ``--disagg-*``."""
+        transport = ["--kv-transport", self.kv_transport] if self.kv_transport else []
+        return [*transport, *settings_argv(self, fields_of(DisaggSettings))]
 
     def tracing_argv(self) -> list[str]:
         """``--otlp-traces-endpoint`` and ``--trace-sample-ratio`` as given, for every process."""

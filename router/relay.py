@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from engine.continuation import Continuation
 from protos.kvserve.v1 import kvserve_pb2 as pb
 
 
@@ -13,9 +14,10 @@ class Relayed:
     """What a stream has relayed to its client so far: the tokens and the characters of their text, so that a
     stream whose decode worker dies (or drains) can continue on another as one uninterrupted stream."""
 
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.num_chars = 0
+    def __init__(self, resumed: Continuation | None = None) -> None:
+        """``resumed``: what the client had from another router already (``GenerateRequest.resume``)."""
+        self.tokens: list[int] = list(resumed.output_token_ids) if resumed else []
+        self.num_chars = resumed.num_emitted_chars if resumed else 0
         self.first_at: float | None = None
         self.moved = False  # the stream continues on another worker than the one that began it
 

@@ -21,7 +21,9 @@
    the first would have (greedy and seeded requests give the same tokens), so the client sees one
    uninterrupted stream (``--migrate-streams false``: the error goes to the client instead). A stream of
    ``n > 1`` choices (their messages interleaved, each with its ``index``) does not move: the client gets the
-   error, never a choice's tokens twice. When every
+   error, never a choice's tokens twice. A request that resumes a stream its client received part of through
+   another router (``GenerateRequest.resume``, sent by ``kvserve.Client`` when a router fails mid-stream) starts
+   as such a moved stream: the tokens it already has go to the decode worker as the continuation. When every
    worker tried was full the client gets RESOURCE_EXHAUSTED (HTTP 429), else UNAVAILABLE. A client that
    cancels cancels the decode call, which frees its blocks.
 """
@@ -53,6 +55,7 @@ from router.validation_queue import DEFAULT_MAX_BACKLOG, ValidationBusy, Validat
 from rpc import metrics, tracing
 from rpc.convert import sampling_to_proto
 from rpc.streams import cancel_when_stalled
+from rpc.validation import validate_resume
 from security.auth import Security
 from security.identity import Identity
 
@@ -152,11 +155,13 @@ class Router(pb_grpc.InferenceServicer):
         with span.child("router.validate") as validating:
             try:
                 prompt, params = await self._validator.validate(request)
+                resumed = validate_resume(request, len(prompt), params, self.vocab_size, self.max_context)
             except ValueError as err:
                 raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
             except ValidationBusy as err:
                 raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from None
-            validating.set(prompt_tokens=len(prompt), n=params.n)
+            validating.set(prompt_tokens=len(prompt), n=params.n, resumed_tokens=len(resumed.output_token_ids)
+                           if resumed else 0)  # fmt: skip
         with span.child("router.route") as routing:
             decode, prefill = await asyncio.gather(self._live("decode"), self._live("prefill"))
             owners, num_blocks = await asyncio.to_thread(self._prefix_owners, prompt, decode)
@@ -166,7 +171,9 @@ class Router(pb_grpc.InferenceServicer):
         if not targets:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available; is the cluster up?")
         metrics.ROUTING.labels(choice.reason).inc()
-        errors, relayed = [], Relayed()
+        if resumed:
+            metrics.RESUMED.inc()
+        errors, relayed = [], Relayed(resumed)
         with self._claim(choice.prefill) as prefill_slot:
             call_request = pb.DecodeRequest(request_id=request.request_id or uuid.uuid4().hex,
                                             prompt_token_ids=prompt, sampling=sampling_to_proto(params),

@@ -41,6 +41,9 @@ TPOT = Histogram("kvserve_time_per_output_token_seconds", "Mean time per output 
 ITL = Histogram("kvserve_inter_token_latency_seconds", "Time between two tokens of a stream", buckets=_TOKEN_BUCKETS)
 E2E = Histogram("kvserve_e2e_request_latency_seconds", "Request received to last token", buckets=_LATENCY_BUCKETS)
 TRANSFER_BYTES = Counter("kvserve_kv_transfer_bytes", "Prompt KV bytes handed from prefill to decode", ["backend"])
+DISAGG_DECISIONS = Counter("kvserve_disagg_decisions", "Where a decode worker had a queued prompt prefilled: remote "
+                           "or local_short, local_busy, local_no_worker, local_score (decode_service.disaggregation)",
+                           ["decision"])  # fmt: skip
 HANDOFF = Histogram("kvserve_kv_handoff_seconds", "Prefill call: sent to KV verified, on the decode worker",
                     ["backend"], buckets=_LATENCY_BUCKETS)  # fmt: skip
 ROUTER_REQUESTS = Counter("kvserve_router_requests", "Requests the router answered, by gRPC status", ["status"])
@@ -48,6 +51,8 @@ STALLED_STREAMS = Counter("kvserve_stalled_streams", "Streams cancelled because 
                           "the stream idle timeout")
 MIGRATIONS = Counter("kvserve_router_stream_migrations", "Streams moved to another decode worker after theirs failed "
                      "mid-stream (it died or drained)")
+RESUMED = Counter("kvserve_router_resumed_streams", "Streams a client resumed through this router after another "
+                  "router failed mid-way (GenerateRequest.resume, kvserve.failover)")  # fmt: skip
 ROUTING = Counter("kvserve_router_decisions", "Decode worker choices, by what decided them", ["reason"])
 ROUTER_REFUSED = Counter("kvserve_router_refused", "Requests the router's front door refused before validating "
                          "them: unauthenticated (API key), too_large (HTTP body) or busy (concurrency limit)",

@@ -25,6 +25,32 @@ def _nixl_installed(transport: str | None) -> str | None:
 KVTransportChoice = Annotated[Literal["shm", "cuda_ipc", "nixl", "grpc"] | None, AfterValidator(_nixl_installed)]
 
 
+# ``kvserve bench disagg`` on a 2-core CPU host, one user, cold prompts: the hand-off's fixed cost (a lease, a
+# Prefill call, the copy and two checksums: 30-120 ms here) made TTFT through a prefill worker 1.67x the decode
+# worker's own at 8 tokens, 1.34x at 32, 1.17x at 128, 1.04-1.09x at 256 (two runs), and 1.03-1.14x from 512
+# to 2,048 tokens. Below 512 uncached tokens a prompt is prefilled where it decodes (its TTFT then 0.99-1.04x
+# decode-only's); from 512 on it is handed off, so that long prefills stay off the decode worker's steps, which
+# is what disaggregation is for where each role has a device of its own.
+DISAGG_MIN_UNCACHED_TOKENS = 512
+
+
+class DisaggSettings(Settings):
+    """disaggregation: which prompts a decode worker hands to a prefill worker (decode_service.disaggregation)"""
+
+    disagg_min_uncached_tokens: int = Field(
+        DISAGG_MIN_UNCACHED_TOKENS,
+        ge=0,
+        description="a prompt with fewer tokens outside the decode worker's cache is prefilled there, not handed "
+        "off (0: every prompt goes to a prefill worker while one is live)",
+    )
+    disagg_max_prefill_queue: int = Field(
+        8,
+        ge=0,
+        description="a prompt is prefilled on the decode worker when the least-loaded prefill worker has more "
+        "requests than this queued or running and the decode worker is prefilling nothing (0: no bound)",
+    )
+
+
 class DrainSettings(Settings):
     """stopping"""
 

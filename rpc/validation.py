@@ -18,6 +18,9 @@ send back as INVALID_ARGUMENT (HTTP 400). The rules:
   entries, on token ids of the vocabulary; a structured output (``engine.structured_output``) of at most
   ``MAX_STRUCTURED_BYTES`` whose schema, regex, choice list or grammar parses (xgrammar parses it here,
   without the tokenizer: the worker compiles it against the vocabulary);
+* resume (a stream a client received part of through another router, ``GenerateRequest.resume``): n = 1, and
+  what a decode worker's continuation takes (``engine.continuation.check_continuation``): 1 to max_tokens - 1
+  output tokens inside the vocabulary that leave room in the context, and a character count >= 0;
 * length: like vLLM and OpenAI, an explicit ``max_tokens`` that does not fit beside the prompt in the
   context is refused rather than silently cut; an unset one is, as vLLM's two endpoints have it, the rest of
   the context for chat messages and 16 for text or token ids (lowered to the room left). A
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from engine.continuation import Continuation, check_continuation
 from engine.sampling_params import SamplingParams, check_token_ids
 from engine.scheduler import check_priority
 from engine.tokenizer import Tokenizer
@@ -63,6 +67,22 @@ def validate_generate(
     ids = validate_token_ids(_prompt_ids(request, tokenizer, max_context), vocab_size, max_context)
     chat = request.WhichOneof("prompt") == "chat"
     return ids, validate_sampling(request.sampling, vocab_size, len(ids), max_context, fill_context=chat)
+
+
+def validate_resume(request: pb.GenerateRequest, num_prompt_tokens: int, params: SamplingParams, vocab_size: int,
+                    max_context: int) -> Continuation | None:  # fmt: skip
+    """The continuation a request resumes (``GenerateRequest.resume``), checked; None when it resumes nothing."""
+    if not request.HasField("resume"):
+        return None
+    if params.n > 1:
+        raise ValueError(f"resume continues one stream; it cannot have n={params.n} choices")
+    resume = request.resume
+    if resume.num_chars < 0:
+        raise ValueError(f"resume.num_chars must be >= 0, got {resume.num_chars}")
+    continuation = Continuation(tuple(resume.output_token_ids), resume.num_chars)
+    context = UNBOUNDED if is_streaming(request.sampling) else max_context
+    check_continuation(continuation, num_prompt_tokens, params, vocab_size, context)
+    return continuation
 
 
 def is_streaming(opts: pb.SamplingOptions) -> bool:

@@ -84,6 +84,11 @@ class Cluster:
     tls_dir: Path | None = None  # the children's cluster certificates (in ``shm_dir``)
     credentials: ClusterCredentials | None = field(default=None, repr=False)  # what each child is started with
 
+    @property
+    def endpoints(self) -> list[str]:
+        """Every router's gRPC address (``endpoint`` is the first's): what a failover client is given."""
+        return [child.address for child in self.children if child.role == "router"]
+
     def child(self, name: str) -> Child:
         [found] = [c for c in self.children if c.name == name]
         return found
@@ -181,7 +186,8 @@ def launch(plan: ClusterPlan, security: Security | None = None, startup_timeout_
         for child in plan.children:
             router = child.role == "router"
             child_env = {**env, API_KEY_ENV: up.api_key} if router and up.api_key else env
-            metrics = f"{plan.http_endpoint}/metrics" if router and plan.http_endpoint else "-"
+            http = plan.http_endpoint_of(child.metrics_port) if router else None
+            metrics = f"{http}/metrics" if http else "-"
             if not router:
                 metrics = f"http://{plan.host}:{child.metrics_port}/metrics"
             cluster.children.append(_child(child.name, child.role, f"{plan.host}:{child.port}",

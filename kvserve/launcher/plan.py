@@ -4,8 +4,11 @@ role, ports and command line and the start order, and checks what can be checked
 
 Ports: the router listens on ``up.port`` (gRPC) and ``up.http_port`` (the OpenAI-compatible API; 0: none), decode
 worker *i* on ``port + 10 + i``, prefill worker *i* on ``port + 30 + i``, each worker's ``/metrics`` on its port
-+ 1000. Compute workers on a CPU host take turns on all of its cores: each gets ``--threads`` = the host's
-cores and the same ``--compute-lease``, held around every engine step (``rpc.compute_lease``), so a worker with
++ 1000. With ``--routers N`` router *i* > 0 (``router-i``, a replica over the same workers and Redis) listens on
+``port + 50 + i`` and ``http_port + i``.
+
+Compute workers on a CPU host take turns on all of its cores: each gets ``--threads`` = the host's cores and
+the same ``--compute-lease``, held around every engine step (``rpc.compute_lease``), so a worker with
 nothing to run holds no core and two busy workers never oversubscribe them. With ``--threads`` given, or on a
 GPU host, each gets ``--threads`` (by default its share of the cores) and no lease. Each also gets
 ``--gpu-memory-utilization``, their share of the GPU's total memory, since every worker runs on the same GPU
@@ -44,7 +47,8 @@ from rpc.threads import host_cores
 from rpc.worker_options import WORKER_SET_FIELDS
 from security.cluster_tls import split_public_tls
 
-DECODE_PORTS, PREFILL_PORTS, METRICS_PORTS = 10, 30, 1000  # offsets from the router's port, and a worker's
+DECODE_PORTS, PREFILL_PORTS, ROUTER_PORTS, METRICS_PORTS = 10, 30, 50, 1000  # offsets from the router's port, and
+# a worker's
 # Each child's settings model and the fields it sets itself, by its role: its section of a --config file.
 CHILD_SETTINGS: dict[str, tuple[type[BaseSettings], tuple[str, ...]]] = {
     "decode": (DecodeSettings, WORKER_SET_FIELDS), "prefill": (PrefillSettings, WORKER_SET_FIELDS),
@@ -63,11 +67,11 @@ class ExtraArgv:
 
 @dataclass(frozen=True)
 class ChildPlan:
-    name: str  # "decode-0", "prefill-0", "router"
+    name: str  # "decode-0", "prefill-0", "router" (then "router-1", ... with --routers N)
     role: str  # "decode", "prefill" or "router"
     port: int
     argv: tuple[str, ...]  # its command line, less the credential flags ``launch`` adds
-    metrics_port: int  # a worker's /metrics; the router serves its own on the HTTP port (0: none)
+    metrics_port: int  # a worker's /metrics; a router serves its own on its HTTP port (0: none)
     planned: tuple[str, ...]  # the options the launcher sets on ``argv`` itself, not passed on from its own
 
 
@@ -75,15 +79,16 @@ class ChildPlan:
 class ClusterPlan:
     up: UpSettings
     host: str
-    children: tuple[ChildPlan, ...]  # in start order: the decode workers, the prefill workers, the router
+    children: tuple[ChildPlan, ...]  # in start order: the decode workers, the prefill workers, the routers
     public_argv: tuple[str, ...]  # the router's --tls-* flags, which serve its public port only
 
     @property
     def ports(self) -> list[int]:
         """Every port the children will listen on: checked free before anything starts."""
         workers = [c for c in self.children if c.role != "router"]
-        return [self.up.port, *([self.up.http_port] if self.up.http_port else []), *(c.port for c in workers),
-                *(c.metrics_port for c in workers)]  # fmt: skip
+        routers = [c for c in self.children if c.role == "router"]
+        return [*(c.port for c in routers), *(c.metrics_port for c in routers if c.metrics_port),
+                *(c.port for c in workers), *(c.metrics_port for c in workers)]  # fmt: skip
 
     @property
     def worker_ids(self) -> set[str]:
@@ -91,9 +96,12 @@ class ClusterPlan:
 
     @property
     def http_endpoint(self) -> str | None:
-        """The router's OpenAI-compatible API, ``http(s)://HOST:PORT``; None without one."""
+        """The (first) router's OpenAI-compatible API, ``http(s)://HOST:PORT``; None without one."""
+        return self.http_endpoint_of(self.up.http_port)
+
+    def http_endpoint_of(self, http_port: int) -> str | None:
         scheme = "https" if self.public_argv else "http"
-        return f"{scheme}://{self.host}:{self.up.http_port}" if self.up.http_port else None
+        return f"{scheme}://{self.host}:{http_port}" if http_port else None
 
 
 def plan_cluster(up: UpSettings, extra: ExtraArgv | None = None, host: str = "127.0.0.1") -> ClusterPlan:
@@ -119,11 +127,15 @@ def plan_cluster(up: UpSettings, extra: ExtraArgv | None = None, host: str = "12
                 planned["compile_decode"] = True  # one user's decode steps compiled (engine.models.compiled_decode)
             argv = (sys.executable, "-m", f"{role}_service", *argv_of(planned), *worker_argv, *role_argv)
             children.append(ChildPlan(name, role, port, argv, port + METRICS_PORTS, tuple(planned)))
-    planned = {"host": host, "port": up.port, "http_port": up.http_port, "drain_timeout": up.drain_timeout}
-    router = (sys.executable, "-m", "router", *argv_of(planned), *settings_argv(up, fields_of(ModelSettings)),
-              *shared_argv, *public_argv, *up.tracing_argv(), *up.router_argv(), *config_argv(up),
-              *extra.router)  # fmt: skip
-    children.append(ChildPlan("router", "router", up.port, router, up.http_port, tuple(planned)))
+    for i in range(up.routers):  # replicas: each reads the same registry and calls the same workers
+        port = up.port if i == 0 else up.port + ROUTER_PORTS + i
+        http_port = up.http_port + i if up.http_port else 0
+        planned = {"host": host, "port": port, "http_port": http_port, "drain_timeout": up.drain_timeout}
+        router = (sys.executable, "-m", "router", *argv_of(planned), *settings_argv(up, fields_of(ModelSettings)),
+                  *shared_argv, *public_argv, *up.tracing_argv(), *up.router_argv(), *config_argv(up),
+                  *extra.router)  # fmt: skip
+        children.append(ChildPlan("router" if i == 0 else f"router-{i}", "router", port, router, http_port,
+                                  tuple(planned)))  # fmt: skip
     if up.config_file is not None:
         check_config_file(up.config_file, children)
     return ClusterPlan(up, host, tuple(children), tuple(public_argv))

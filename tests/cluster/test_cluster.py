@@ -203,7 +203,8 @@ def test_cancelled_stream_frees_its_blocks(one_by_one, engine_prompts):
         return free == total
 
     with Client(one_by_one.endpoint, timeout_s=60) as client:
-        stream = client._stub.Generate(build_request(engine_prompts[6], max_tokens=500, temperature=0, ignore_eos=True))
+        request = build_request(engine_prompts[6], max_tokens=500, temperature=0, ignore_eos=True)
+        stream = client._stubs[0].Generate(request)
         next(stream), next(stream)
         wait_until(lambda: not all_free(), 10, "the running request showing up as used blocks", interval_s=0.2)
         stream.cancel()

@@ -20,7 +20,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from security.auth import TOKEN_ENV, TOKEN_FILE_ENV, TOKEN_METADATA, Security, load_token
 
 ROOT = Path(__file__).resolve().parents[2]
-KVSERVE_SERVICES = ("router", "decode", "prefill")
+KVSERVE_SERVICES = ("router", "router-2", "decode", "prefill")
+ROUTERS = ("router", "router-2")  # replicas (kvserve.failover): the same command, each its own certificate and ports
 
 
 def _compose() -> dict:
@@ -64,10 +65,10 @@ def _published(services: dict) -> list[str]:
 def test_docker_compose_config_validates_and_publishes_on_localhost_only():
     # v2 leaves a service of an inactive profile out of `config`; v1 lists it, with its profiles
     default = {name: s for name, s in _compose_config().items() if not s.get("profiles")}
-    assert len(_published(default)) == 3 and all(p.startswith("127.0.0.1:") for p in _published(default))
+    assert len(_published(default)) == 5 and all(p.startswith("127.0.0.1:") for p in _published(default))
     observability = _compose_config("--profile", "observability")
     published = _published(observability)
-    assert {"grafana", "jaeger"} <= observability.keys() and len(published) == 5, published
+    assert {"grafana", "jaeger"} <= observability.keys() and len(published) == 7, published
     assert all(port.startswith("127.0.0.1:") for port in published), published
 
 
@@ -78,7 +79,8 @@ def test_prometheus_scrapes_every_process_on_its_metrics_port():
     workers = ("decode", "prefill")
     expected = {f"{name}:{_flag(compose['services'][name]['command'], '--metrics-port')}" for name in workers}
     assert "127.0.0.1:8000:8000" in compose["services"]["router"]["ports"]
-    assert targets == expected | {"router:8000"}
+    assert "127.0.0.1:8001:8000" in compose["services"]["router-2"]["ports"]
+    assert targets == expected | {"router:8000", "router-2:8000"}
 
 
 def test_every_service_restarts_and_is_health_checked_on_its_own_port():
@@ -87,13 +89,15 @@ def test_every_service_restarts_and_is_health_checked_on_its_own_port():
     for name in KVSERVE_SERVICES:
         test = services[name]["healthcheck"]["test"]
         port = _flag(services[name]["command"], "--port")
-        mtls = [] if name == "router" else ["--cluster-certs", "/run/kvserve"]  # the router's port is public
+        mtls = [] if name in ROUTERS else ["--cluster-certs", "/run/kvserve"]  # the router's port is public
         assert test == ["CMD", "python", "-m", "kvserve.healthcheck", f"127.0.0.1:{port}", *mtls], name
     assert "redis-cli ping" in services["redis"]["healthcheck"]["test"][1]
-    # the router starts once Redis and both workers answer their health checks
-    assert {dep: c["condition"] for dep, c in services["router"]["depends_on"].items()} == {
-        "certs": "service_completed_successfully", "redis": "service_healthy", "decode": "service_healthy",
-        "prefill": "service_healthy"}  # fmt: skip
+    # each router starts once Redis and both workers answer their health checks
+    for name in ROUTERS:
+        assert {dep: c["condition"] for dep, c in services[name]["depends_on"].items()} == {
+            "certs": "service_completed_successfully", "redis": "service_healthy", "decode": "service_healthy",
+            "prefill": "service_healthy"}  # fmt: skip
+    assert services["router"]["command"] == services["router-2"]["command"]
 
 
 def test_each_kvserve_service_mounts_only_its_own_certificate_and_credential():
@@ -102,14 +106,15 @@ def test_each_kvserve_service_mounts_only_its_own_certificate_and_credential():
     services = _compose()["services"]
     certs = services["certs"]
     volumes = dict(v.split(":")[:2] for v in certs["volumes"])
-    assert set(volumes.values()) == {"/certs/ca", "/certs/router", "/certs/decode-0", "/certs/prefill-0"}
-    assert certs["environment"] == {} and "kvserve certs --out /certs --names router decode-0 prefill-0" in \
-        certs["command"][2] and certs["restart"] == "no"  # fmt: skip
+    assert set(volumes.values()) == {"/certs/ca", "/certs/router", "/certs/router-2", "/certs/decode-0",
+                                     "/certs/prefill-0"}  # fmt: skip
+    assert certs["environment"] == {} and certs["restart"] == "no"
+    assert "kvserve certs --out /certs --names router router:router-2 decode-0 prefill-0" in certs["command"][2]
     for name in KVSERVE_SERVICES:
         service = services[name]
         assert _flag(service["command"], "--cluster-certs") == "/run/kvserve"
         mounted = [v for v in service["volumes"] if v.startswith("certs-")]
-        member = name if name == "router" else f"{name}-0"
+        member = name if name in ROUTERS else f"{name}-0"
         assert mounted == [f"{[k for k, path in volumes.items() if path == f'/certs/{member}'][0]}:/run/kvserve:ro"]
         assert service["environment"] == {TOKEN_ENV: "", TOKEN_FILE_ENV: "/run/kvserve/token"}
         assert service["depends_on"]["certs"]["condition"] == "service_completed_successfully"
@@ -215,7 +220,7 @@ def test_the_observability_services_start_only_under_their_profile():
     profiled = {name: s["profiles"] for name, s in services.items() if s.get("profiles")}
     assert profiled == dict.fromkeys(OBSERVABILITY, ["observability"])
     default = {name for name in services if name not in profiled}
-    assert default == {"certs", "redis", "decode", "prefill", "router", "prometheus"}  # what `up` starts, as before
+    assert default == {"certs", "redis", "decode", "prefill", "router", "router-2", "prometheus"}  # as before
     for name in default:  # a default service depending on a profiled one would pull it into a plain `up`
         assert not set(services[name].get("depends_on", [])) & set(OBSERVABILITY), name
 

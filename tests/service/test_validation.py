@@ -32,6 +32,14 @@ def stub(stack):
         yield pb_grpc.InferenceStub(channel)
 
 
+def _resuming(tokens: list[int], num_chars: int = 0, **options) -> pb.GenerateRequest:
+    """A request resuming a stream another router carried (``kvserve.failover``) after ``tokens``."""
+    request = build_request([1, 2, 3], **options)
+    request.resume.output_token_ids[:] = tokens
+    request.resume.num_chars = num_chars
+    return request
+
+
 def _chat_without_messages() -> pb.GenerateRequest:
     request = pb.GenerateRequest()
     request.chat.SetInParent()
@@ -88,6 +96,13 @@ def _chat_without_messages() -> pb.GenerateRequest:
         (build_request("hi", stop=[""]), "stop strings must be non-empty"),
         (build_request("hi", stop=["x"] * 17), "17 stop strings; at most 16"),
         (build_request("hi", stop=["ok", "x" * 257]), "stop string 1 has 257 characters; at most 256"),
+        # a resumed stream, as a continuation (kvserve.failover; engine.continuation)
+        (_resuming([5, VOCAB], max_tokens=8), r"resumed output token ids must be integers in \[0, 49152\); got \[4915"),
+        (_resuming([5, -2], max_tokens=8), r"resumed output token ids must be integers in \[0, 49152\); got \[-2\]"),
+        (_resuming([5] * 8, max_tokens=8), "a continuation resumes 1 to max_tokens - 1 = 7 output tokens, got 8"),
+        (_resuming([], max_tokens=8), "a continuation resumes 1 to max_tokens - 1 = 7 output tokens, got 0"),
+        (_resuming([5], num_chars=-1, max_tokens=8), "resume.num_chars must be >= 0, got -1"),
+        (_resuming([5], max_tokens=8, n=2, temperature=1.0), "resume continues one stream; it cannot have n=2"),
     ],
 )
 def test_bad_request_gets_invalid_argument(stub, request_, message):

@@ -28,8 +28,9 @@ def tiny_engine_argv(model_dir) -> list[str]:
 
 
 def cluster(num_prefill: int, num_decode: int, log_dir, decode_argv=None, prefill_argv=None,
-            http: bool = False, engine_argv: list[str] = ENGINE_ARGV) -> Cluster:  # fmt: skip
-    """``http``: the router also serves the OpenAI-compatible API (``Cluster.http_endpoint``).
+            http: bool = False, engine_argv: list[str] = ENGINE_ARGV, routers: int = 1) -> Cluster:  # fmt: skip
+    """``http``: the router also serves the OpenAI-compatible API (``Cluster.http_endpoint``); ``routers``: how
+    many (``Cluster.endpoints``).
 
     The workers split the cores statically (``--threads``, each its share): with ``kvserve up``'s default on a
     CPU host, the compute lease, each would run on every core while the other pytest-xdist worker computes on
@@ -38,7 +39,7 @@ def cluster(num_prefill: int, num_decode: int, log_dir, decode_argv=None, prefil
     threads = threads_per_worker(num_prefill + num_decode)
     up = parse_up(["--prefill", str(num_prefill), "--decode", str(num_decode), "--port", str(port),
                    "--http-port", str(port + 1 if http else 0), "--log-dir", str(log_dir), "--threads", str(threads),
-                   *engine_argv])  # fmt: skip
+                   "--routers", str(routers), *engine_argv])  # fmt: skip
     return start_cluster(up, ExtraArgv(decode=tuple(decode_argv or ()), prefill=tuple(prefill_argv or ())))
 
 
@@ -63,11 +64,16 @@ def hf_reference(hf_model, prompt: list[int], max_new_tokens: int = 8) -> list[i
 
 
 def prometheus_values(metrics_url: str, name: str) -> dict[str, float]:
-    """The samples of metric ``name`` a worker's ``/metrics`` serves now, by their label string."""
+    """The samples of metric ``name`` a worker's ``/metrics`` serves now, by their label string ('' for a metric
+    without labels)."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     prefix = name + "{"
-    return {line[len(prefix) : line.index("}")]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith(prefix)}  # fmt: skip
+    samples = {line[len(prefix) : line.index("}")]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(prefix)}  # fmt: skip
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            samples[""] = float(line.split()[1])
+    return samples
 
 
 class _Records(logging.Handler):
@@ -143,7 +149,7 @@ class Load:
     failure's status code with how many tokens it had streamed before it failed, and every completed answer
     that differs from ``expected`` (the offline engine's, ``offline_answers``) as (thread, got)."""
 
-    endpoint: str
+    endpoint: str | list[str]  # a router, or several (the client fails over between them)
     threads: int = 3
     max_tokens: int = 8
     expected: list[list[int]] | None = None

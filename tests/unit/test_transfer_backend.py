@@ -84,5 +84,6 @@ def test_kv_transport_flag_forces_one_on_decode_workers_and_through_kvserve_up()
     with pytest.raises(SystemExit):
         parse_settings(DecodeSettings, ["--kv-transport", "rdma"])
     given = parse_settings(up.UpSettings, ["--kv-transport", "nixl"], "kvserve up", up.__doc__, up.UP_SET_FIELDS)
-    assert given.decode_argv() == ["--kv-transport", "nixl"]
-    assert parse_settings(up.UpSettings, [], "kvserve up", up.__doc__, up.UP_SET_FIELDS).decode_argv() == []
+    assert given.decode_argv()[:2] == ["--kv-transport", "nixl"]  # (then the --disagg-* tests/conftest.py sets)
+    assert "--kv-transport" not in parse_settings(up.UpSettings, [], "kvserve up", up.__doc__,
+                                                  up.UP_SET_FIELDS).decode_argv()  # fmt: skip
