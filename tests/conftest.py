@@ -17,9 +17,11 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # tests start proces
 # kvserve up compiles its CPU decode workers' one-user steps (``compile_decode``): test clusters start eagerly, as
 # their tokens are checked against the eager paths; tests/service/test_compiled_decode.py checks the compiled one
 os.environ.setdefault("KVSERVE_COMPILE_DECODE", "false")
-# decode workers prefill short prompts themselves (``--disagg-min-uncached-tokens``): the suite's clusters hand every
-# prompt off, short ones included, to test the hand-off; tests/cluster/test_disaggregation.py tests the threshold
+# decode workers prefill short prompts themselves (``--disagg-min-uncached-tokens``), and any prompt while the
+# prefill workers' queues are long (``--disagg-max-prefill-queue``): the suite's clusters hand every prompt off,
+# to test the hand-off; tests/cluster/test_disagg_cluster.py tests both rules' defaults
 os.environ.setdefault("KVSERVE_DISAGG_MIN_UNCACHED_TOKENS", "0")
+os.environ.setdefault("KVSERVE_DISAGG_MAX_PREFILL_QUEUE", "0")
 
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402

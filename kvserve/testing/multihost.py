@@ -68,7 +68,8 @@ def multihost_cluster(engine_argv: list[str], logs: Path, decode_argv: list[str]
                       worker_env: dict[str, str] | None = None, threads: int = 1) -> Iterator[MultiHost]:  # fmt: skip
     """Start the cluster (logs and Redis's files in ``logs``) and yield it once both workers are registered
     and the router answers. ``worker_env``: more environment for both workers; ``threads``: each worker's
-    torch threads."""
+    torch threads. The decode worker hands off every prompt (``--disagg-min-uncached-tokens 0``, no queue
+    bound): moving KV between the hosts is what this cluster is for."""
     security, password = Security(token=secrets.token_urlsafe(32)), secrets.token_urlsafe(16)
     extra = dict(worker_env or {})
     model = settings_from_argv(ModelSettings, engine_argv)  # the router's part of the workers' options
@@ -79,7 +80,8 @@ def multihost_cluster(engine_argv: list[str], logs: Path, decode_argv: list[str]
         url = f"redis://:{password}@{front.address}:{REDIS_PORT}/0"
         children = {"redis": _redis(hosts, front, password, logs)}
         children["redis"].start()
-        workers = (("decode-0", "decode", decode_host, DECODE_PORT, list(decode_argv)),
+        handoff = ["--disagg-min-uncached-tokens", "0", "--disagg-max-prefill-queue", "0"]
+        workers = (("decode-0", "decode", decode_host, DECODE_PORT, [*handoff, *decode_argv]),
                    ("prefill-0", "prefill", prefill_host, PREFILL_PORT, list(prefill_argv)))  # fmt: skip
         for name, role, host, port, more in workers:
             address = f"{host.address}:{port}"

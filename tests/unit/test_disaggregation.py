@@ -34,7 +34,8 @@ def test_the_flags_reach_the_decode_workers_through_kvserve_up(monkeypatch):
     from rpc.options import DISAGG_MIN_UNCACHED_TOKENS
     from rpc.settings import parse_settings
 
-    monkeypatch.delenv("KVSERVE_DISAGG_MIN_UNCACHED_TOKENS", raising=False)  # (tests/conftest.py sets it to 0)
+    for name in ("KVSERVE_DISAGG_MIN_UNCACHED_TOKENS", "KVSERVE_DISAGG_MAX_PREFILL_QUEUE"):
+        monkeypatch.delenv(name, raising=False)  # (tests/conftest.py sets both to 0)
     assert parse_up([]).decode_argv() == []  # the workers' own defaults
     decode = parse_settings(DecodeSettings, [])
     assert (decode.disagg_min_uncached_tokens, decode.disagg_max_prefill_queue) == (DISAGG_MIN_UNCACHED_TOKENS, 8)
