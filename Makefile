@@ -36,9 +36,10 @@ demo: $(STAMP)
 # pytest-xdist workers: the tiers that start servers (service, cluster) one after another on one, the rest (unit,
 # engine, deploy) on the other (tests/conftest.py's GROUPS). Kernel tests run the Triton
 # kernels in interpreter mode, which must be switched on before triton is imported, so they get a process of
-# their own. compose and soak tests run on demand only.
+# their own. compose and soak tests run on demand only. The 15 slowest tests are listed: make test must stay under 15
+# minutes on a 2-core host, so a slow new test goes under soak.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup --ignore=tests/kernels -m 'not compose and not soak'
+	$(PY) -m pytest -q -n 2 --dist loadgroup --ignore=tests/kernels -m 'not compose and not soak' --durations=15
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m 'not soak' tests/kernels
 
 # The unit tier: no process started (tests/conftest.py refuses one), a few minutes.

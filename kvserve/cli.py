@@ -125,6 +125,23 @@ def _describe_redis(cluster: Cluster) -> str:
     return f"embedded, {redis.unix_socket}{tcp}; password in {redis.data_dir / 'redis.conf'}"
 
 
+def _hash_key(args: argparse.Namespace) -> None:
+    """Print the SHA-256 a keys file lists for an API key: a new random one (``--new``, printed too), else the
+    key read from stdin (never from the command line, which ps shows)."""
+    import secrets
+
+    from router.tenants import hash_key
+
+    if args.new:
+        key = secrets.token_urlsafe(32)
+        print(f"key: {key}")
+    else:
+        key = sys.stdin.readline().strip()
+        if not key:
+            raise SystemExit("kvserve hash-key: no key on stdin (or --new for a new one)")
+    print(f"key_sha256: {hash_key(key)}")
+
+
 def _certs(args: argparse.Namespace) -> None:
     """``kvserve certs``: see ``security.certs``; the cluster token, when one is set, is the cluster secret."""
     from security.auth import load_token
@@ -228,6 +245,10 @@ def _parser(benches: Sequence[str]) -> argparse.ArgumentParser:
                        help="host names or IPs every certificate names too "
                             "(127.0.0.1 and localhost always do)")  # fmt: skip
     certs.set_defaults(func=_certs)
+
+    hashed = sub.add_parser("hash-key", help="the SHA-256 of an API key (stdin), as --api-keys-file lists it")
+    hashed.add_argument("--new", action="store_true", help="make a new random key and print it with its hash")
+    hashed.set_defaults(func=_hash_key)
 
     gen = sub.add_parser("generate", help="stream an answer from a running cluster")
     gen.add_argument("prompt")

@@ -108,8 +108,13 @@ class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings
 
     def router_argv(self) -> list[str]:
         """The stream options, the served names and ``--max-model-len`` given, as the router's flags (its model
-        options come from ``ModelSettings``)."""
-        return settings_argv(self, [*fields_of(StreamSettings), *fields_of(ServedModelSettings), "max_model_len"])
+        options come from ``ModelSettings``); with ``--api-keys-file`` (absolute) its fair queue's slots, by
+        default the decode workers' running slots in all (``max_num_seqs`` each)."""
+        argv = settings_argv(self, [*fields_of(StreamSettings), *fields_of(ServedModelSettings), "max_model_len"])
+        if not self.api_keys_file:
+            return argv
+        slots = self.fair_queue_slots or self.decode * self.max_num_seqs
+        return [*argv, "--api-keys-file", str(Path(self.api_keys_file).absolute()), "--fair-queue-slots", str(slots)]
 
     def security_argv(self) -> list[str]:
         """``--insecure-internal`` and ``--tls-*`` (absolute: ``security.cluster_tls`` reads them too) as given."""

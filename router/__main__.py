@@ -3,8 +3,9 @@
 
 Serves ``kvserve.v1.Inference``, health checking and reflection on one port, and the OpenAI-compatible HTTP
 API (``router.openai_api``) on ``--http-port`` (0: none), both on one event loop and both with TLS when
-``--tls-cert`` is given, and both behind the front door (``router.limits``: API key, request size,
-concurrency). Prometheus ``/metrics`` is on the HTTP port, or on ``--metrics-port`` when given. The router
+``--tls-cert`` is given, and both behind the front door (``router.limits``: API keys and tenants, request size,
+concurrency). SIGHUP reads ``--api-keys-file`` again (``router.tenants``). Prometheus ``/metrics`` is on the
+HTTP port, or on ``--metrics-port`` when given. The router
 calls the decode workers' internal service as a member of role ``router`` (``security.auth``): with its cluster
 certificate (``--cluster-certs``) over mutual TLS, else with its credential's call token; ``--tls-*`` serve
 its public port only (and its calls too, without ``--cluster-certs``). Every option is also a ``KVSERVE_*``
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
         router = Router(tokenizer, config.vocab_size, max_context, security, registry,
                         settings.decode_address, weights=weights, migrate_streams=settings.migrate_streams,
                         stream_idle_timeout_s=settings.stream_idle_timeout,
-                        max_validation_backlog=settings.max_validation_backlog)  # fmt: skip
+                        max_validation_backlog=settings.max_validation_backlog,
+                        fair_queue_slots=settings.fair_queue_slots if settings.api_keys_file else 0)  # fmt: skip
     except ValueError as err:
         parser.error(str(err))
     host = settings.host
@@ -112,6 +114,7 @@ async def serve(router: Router, address: str, public: Security, drain_timeout_s:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, door.tenants.reload)  # the keys file again
     await stop.wait()
     log.info("draining for up to %.0f s", drain_timeout_s)
     await set_not_serving(health, names)

@@ -8,9 +8,9 @@ it. With tenants (``--api-keys-file``) the router holds back what the decode wor
 when a slot frees it sends the next request of the tenant that has had the least service for its weight.
 
 Each tenant has a virtual time, the requests it was given divided by its weight. The next request goes to the
-waiting tenant with the smallest; a tenant that starts waiting after an idle spell starts at the smallest
-virtual time of those waiting (never below: it cannot bank credit while idle, nor be punished for a past burst
-beyond it). Within a tenant, requests go by priority, then arrival. Lives on the router's event loop (no locks).
+waiting tenant with the smallest; a tenant that starts waiting after an idle spell starts no lower than the
+virtual time at which the last request was given (it cannot bank credit while idle). Within a tenant, requests
+go by priority, then arrival. Lives on the router's event loop (no locks).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class FairQueue:
         self._waiting: dict[str, list[tuple[int, int, asyncio.Future]]] = {}  # tenant -> heap (priority, seq)
         self._virtual: dict[str, float] = {}
         self._weights: dict[str, float] = {}
+        self._now = 0.0  # the virtual time at which the last request was given its slot
         self._order = itertools.count()
 
     async def acquire(self, tenant: str, weight: float, priority: int = 0) -> None:
@@ -40,8 +41,7 @@ class FairQueue:
             self.out += 1
             return
         if tenant not in self._waiting:  # it starts waiting: no credit banked while idle
-            floor = min((self._virtual[t] for t in self._waiting), default=self._virtual.get(tenant, 0.0))
-            self._virtual[tenant] = max(self._virtual.get(tenant, 0.0), floor)
+            self._virtual[tenant] = max(self._virtual.get(tenant, 0.0), self._now)
             self._waiting[tenant] = []
         ready: asyncio.Future = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiting[tenant], (priority, next(self._order), ready))
@@ -76,7 +76,9 @@ class FairQueue:
             ready.set_result(None)
 
     def _charge(self, tenant: str) -> None:
-        self._virtual[tenant] = self._virtual.get(tenant, 0.0) + 1 / self._weights[tenant]
+        start = max(self._virtual.get(tenant, 0.0), self._now)
+        self._now = start
+        self._virtual[tenant] = start + 1 / self._weights[tenant]
 
     def _forget(self, tenant: str, ready: asyncio.Future) -> None:
         heap = self._waiting.get(tenant)
@@ -90,3 +92,22 @@ class FairQueue:
     @property
     def num_waiting(self) -> int:
         return sum(len(heap) for heap in self._waiting.values())
+
+
+class Hold:
+    """One request's place in a ``FairQueue`` (None: no queue, or no tenant): ``acquire`` once validated,
+    ``release`` when it ended, whether or not it was given a slot (a no-op then)."""
+
+    def __init__(self, queue: FairQueue | None, tenant: str, weight: float) -> None:
+        self.queue, self.tenant, self.weight = queue, tenant, weight
+        self.held = False
+
+    async def acquire(self, priority: int) -> None:
+        if self.queue is not None:
+            await self.queue.acquire(self.tenant, self.weight, priority)
+            self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.queue.release()

@@ -1,8 +1,9 @@
 """The router's front door: what every public request passes before ``Router.generate`` sees it, on both doors.
 
-* **API key** (``--api-key``, ``KVSERVE_API_KEY``; none by default). As with vLLM's ``--api-key``, a call must
-  then carry ``Authorization: Bearer <key>`` (an HTTP header; ``authorization`` metadata on gRPC), compared
-  in constant time, else it gets 401 with an OpenAI error object, or UNAUTHENTICATED. HTTP ``/health`` and
+* **API key** (``--api-key``, ``KVSERVE_API_KEY``, or the keys of a tenants file, ``--api-keys-file``:
+  ``router.tenants``; none by default). As with vLLM's ``--api-key``, a call must then carry ``Authorization:
+  Bearer <key>`` (an HTTP header; ``authorization`` metadata on gRPC), whose hash names its tenant, else it
+  gets 401 with an OpenAI error object, or UNAUTHENTICATED. HTTP ``/health`` and
   gRPC health checking and reflection stay open (vLLM leaves ``/health`` open too): load balancers and
   orchestrators probe them without a key. ``/metrics`` on the API port needs the key; on ``--metrics-port``
   it does not (keep that port private).
@@ -14,6 +15,10 @@
   ``rpc.validation.MAX_PROMPT_BYTES``.
 * **Requests in flight** (``--max-concurrent-requests``, default 512, 0: no limit): generation calls of both
   doors together, from arrival to the end of the stream. Past it: 429 / RESOURCE_EXHAUSTED, saying so.
+* **A tenant's bounds** (its requests in flight, its tokens per minute: ``router.tenants``): past one, 429 with
+  ``Retry-After`` / RESOURCE_EXHAUSTED with ``retry-after`` trailing metadata, naming the bound. The tenant of
+  an admitted request is ``ADMITTED`` (a context variable) for ``Router.generate``, which queues it fairly
+  (``router.fair_queue``) and records the tokens it used.
 
 Every refusal here is counted in ``kvserve_router_refused_total{reason}``. A refusal sent before the body
 was read closes the connection. The ``FrontDoor`` lives on the router's event loop (no locks).
@@ -21,10 +26,12 @@ was read closes the connection. The ``FrontDoor`` lives on the router's event lo
 
 from __future__ import annotations
 
-import hmac
+import asyncio
+import contextvars
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -32,6 +39,7 @@ import grpc
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from router import openai_protocol as api
+from router.tenants import Refused, Tenant, Tenants
 from rpc import metrics
 from rpc.requests import API_KEY_ENV, resolve_api_key
 
@@ -48,26 +56,47 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+@dataclass
+class Admitted:
+    """A request the front door let in: its tenant, and the tokens it used (from its usage, when it ends)."""
+
+    tenant: Tenant
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+ADMITTED: contextvars.ContextVar[Admitted | None] = contextvars.ContextVar("admitted", default=None)
+
+
 class FrontDoor:
-    """The API key, the request size limit and the count of requests in flight, shared by both doors."""
+    """The API keys and tenants, the request size limit and the count of requests in flight, shared by both
+    doors."""
 
     def __init__(self, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS) -> None:  # fmt: skip
+                 max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+                 tenants: Tenants | None = None) -> None:  # fmt: skip
         if max_request_bytes < 1 or max_concurrent_requests < 0:
             raise ValueError(f"--max-request-bytes must be at least 1 (got {max_request_bytes}) and "
                              f"--max-concurrent-requests at least 0 (got {max_concurrent_requests})")  # fmt: skip
-        self._key = api_key.encode() if api_key else None  # never in a repr or a log
+        self.tenants = tenants or Tenants(api_key=api_key)  # (keys only as hashes: never in a repr or a log)
         self.max_request_bytes = max_request_bytes
         self.max_concurrent_requests = max_concurrent_requests
         self.num_active = 0
 
     def authorized(self, authorization: str | bytes | None) -> bool:
-        """Whether an ``Authorization`` value (``Bearer <key>``) admits the call; anything does without a key."""
-        if self._key is None:
-            return True
-        given = authorization.encode() if isinstance(authorization, str) else authorization or b""
-        scheme, _, token = given.strip().partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+        """Whether an ``Authorization`` value (``Bearer <key>``) admits the call; anything does without keys."""
+        return self.tenants.identify(authorization) is not None
+
+    def admit(self, authorization: str | bytes | None) -> Admitted:
+        """The call's tenant, counted in flight: ``Refused`` over one of its bounds (the caller checked the key)."""
+        tenant = self.tenants.identify(authorization)
+        self.tenants.enter(tenant)
+        return Admitted(tenant)
+
+    def done(self, admitted: Admitted, outcome: str) -> None:
+        """An admitted request ended (``outcome``: ok, error or cancelled): its tenant's use and count."""
+        self.tenants.leave(admitted.tenant, admitted.prompt_tokens, admitted.completion_tokens)
+        metrics.TENANT_REQUESTS.labels(admitted.tenant.name, outcome).inc()
 
     def try_enter(self) -> bool:
         """Count one more request in flight, unless the limit is reached (then False, nothing counted)."""
@@ -100,15 +129,30 @@ class PublicInference(pb_grpc.InferenceServicer):
         self.router, self.door = router, door
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator:
-        if not self.door.authorized(dict(context.invocation_metadata() or ()).get("authorization")):
+        authorization = dict(context.invocation_metadata() or ()).get("authorization")
+        if not self.door.authorized(authorization):
             metrics.ROUTER_REFUSED.labels("unauthenticated").inc()
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHORIZED)
         if not self.door.try_enter():
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.door.busy_message())
         try:
-            async with aclosing(self.router.Generate(request, context)) as stream:
-                async for msg in stream:
-                    yield msg
+            try:
+                admitted = self.door.admit(authorization)
+            except Refused as err:
+                context.set_trailing_metadata((("retry-after", str(err.retry_after_s)),))
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+            ADMITTED.set(admitted)
+            outcome = "error"
+            try:
+                async with aclosing(self.router.Generate(request, context)) as stream:
+                    async for msg in stream:
+                        yield msg
+                outcome = "ok"
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+                raise
+            finally:
+                self.door.done(admitted, outcome)
         finally:
             self.door.leave()
 
@@ -137,18 +181,40 @@ class HttpFrontDoor:
         if generating and not self.door.try_enter():
             await _refuse(send, grpc.StatusCode.RESOURCE_EXHAUSTED, self.door.busy_message())
             return
+        admitted, seen = None, {}
         try:
+            if generating:
+                try:
+                    admitted = self.door.admit(headers.get(b"authorization"))
+                except Refused as err:
+                    await _refuse(send, grpc.StatusCode.RESOURCE_EXHAUSTED, str(err),
+                                  [(b"retry-after", str(err.retry_after_s).encode())])  # fmt: skip
+                    return
+                ADMITTED.set(admitted)
             body = await _read_body(receive, self.door.max_request_bytes)
             if body is _TOO_LARGE:
                 await _too_large(send, self.door.too_large_message(None))
             elif body is not None:
-                await self.app(scope, _replay(body, receive), send)
+                await self.app(scope, _replay(body, receive), _watch_status(send, seen))
         finally:
+            if admitted is not None:
+                self.door.done(admitted, "ok" if 200 <= seen.get("status", 0) < 300 else "error")
             if generating:
                 self.door.leave()
 
 
 _TOO_LARGE = object()
+
+
+def _watch_status(send: Send, seen: dict[str, int]) -> Send:
+    """``send``, noting the response's status in ``seen``."""
+
+    async def watched(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            seen["status"] = message["status"]
+        await send(message)
+
+    return watched
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | object | None:
@@ -204,5 +270,7 @@ async def _reply(send: Send, status: int, body: dict[str, Any], headers: list[tu
 
 
 def front_door_from_settings(settings: FrontDoorSettings) -> FrontDoor:
-    """The ``FrontDoor`` of the router's settings (``--api-key`` or ``$KVSERVE_API_KEY``: blank means none)."""
-    return FrontDoor(resolve_api_key(settings.api_key), settings.max_request_bytes, settings.max_concurrent_requests)
+    """The ``FrontDoor`` of the router's settings (``--api-key`` or ``$KVSERVE_API_KEY``: blank means none;
+    ``--api-keys-file``: ``ValueError`` naming what to fix in it)."""
+    tenants = Tenants(settings.api_keys_file, resolve_api_key(settings.api_key))
+    return FrontDoor(None, settings.max_request_bytes, settings.max_concurrent_requests, tenants)

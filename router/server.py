@@ -48,9 +48,12 @@ from engine.tokenizer import Tokenizer
 from kvstore.prefix_hash import block_hashes
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+from router.fair_queue import FairQueue, Hold
 from router.health import WorkerHealth
+from router.limits import ADMITTED
 from router.relay import Relayed, Slot
 from router.routing import RoutingWeights, choose
+from router.tenants import ANONYMOUS
 from router.validation_queue import DEFAULT_MAX_BACKLOG, ValidationBusy, ValidationQueue
 from rpc import metrics, tracing
 from rpc.convert import sampling_to_proto
@@ -98,8 +101,11 @@ class Router(pb_grpc.InferenceServicer):
         migrate_streams: bool = True,
         stream_idle_timeout_s: float = 30.0,
         max_validation_backlog: int = DEFAULT_MAX_BACKLOG,
+        fair_queue_slots: int = 0,
     ) -> None:
         self.security = security
+        # tenants share the decode workers by weight past this many requests sent on (router.fair_queue)
+        self.fair = FairQueue(lambda: fair_queue_slots) if fair_queue_slots else None
         self.registry = registry
         self.static_decode = [WorkerInfo(worker_id=a, role="decode", address=a) for a in decode_addresses or []]
         self.max_attempts = max_attempts
@@ -128,11 +134,17 @@ class Router(pb_grpc.InferenceServicer):
         """``_route``, counted in ``kvserve_router_requests_total`` by how it ended, in a trace span whose parent
         is the client's ``traceparent`` in ``trace_carrier`` (its gRPC metadata or HTTP headers), if any."""
         status = "OK"
+        admitted = ADMITTED.get()  # the front door's: the tenant, and what its request used
+        tenant = admitted.tenant if admitted is not None else ANONYMOUS
         span = tracing.start("kvserve.request", trace_carrier, request_id=request.request_id or None,
-                             prompt_kind=request.WhichOneof("prompt"))  # fmt: skip
+                             prompt_kind=request.WhichOneof("prompt"), tenant=tenant.name)  # fmt: skip
+        hold = Hold(self.fair, tenant.name, tenant.weight)
         try:
-            async with aclosing(self._route(request, timeout_s, span)) as stream:
+            async with aclosing(self._route(request, timeout_s, span, hold)) as stream:
                 async for msg in stream:
+                    if admitted is not None and msg.HasField("usage"):
+                        admitted.prompt_tokens = msg.usage.prompt_tokens
+                        admitted.completion_tokens = msg.usage.completion_tokens
                     yield msg
         except RouteError as err:
             status = err.code.name
@@ -141,11 +153,12 @@ class Router(pb_grpc.InferenceServicer):
             status = "CANCELLED"
             raise
         finally:
+            hold.release()
             metrics.ROUTER_REQUESTS.labels(status).inc()
             span.set(status=status)
             span.end(None if status == "OK" else status)
 
-    async def _route(self, request: pb.GenerateRequest, timeout_s: float | None, span: tracing.Span
+    async def _route(self, request: pb.GenerateRequest, timeout_s: float | None, span: tracing.Span, hold: Hold
                      ) -> AsyncIterator[pb.GenerateResponse]:  # fmt: skip
         """Validate, route and relay one public request: the decode worker's messages, the last with
         ``finish_reason``. Every failure is a ``RouteError`` (nothing else escapes), raised before the first
@@ -162,6 +175,9 @@ class Router(pb_grpc.InferenceServicer):
                 raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from None
             validating.set(prompt_tokens=len(prompt), n=params.n, resumed_tokens=len(resumed.output_token_ids)
                            if resumed else 0)  # fmt: skip
+        if hold.queue is not None:
+            with span.child("router.fair_queue", tenant=hold.tenant, waiting=hold.queue.num_waiting):
+                await hold.acquire(request.sampling.priority)
         with span.child("router.route") as routing:
             decode, prefill = await asyncio.gather(self._live("decode"), self._live("prefill"))
             owners, num_blocks = await asyncio.to_thread(self._prefix_owners, prompt, decode)

@@ -54,6 +54,18 @@ class ApiKeySettings(Settings):
         description="clients must send 'Authorization: Bearer <key>' (HTTP and gRPC); better set in the "
         "environment variable, which ps does not show; none: no key",
     )
+    api_keys_file: str | None = Field(
+        None,
+        description="tenants: a TOML file of hashed API keys, each tenant's bounds and weight (see router/tenants.py), "
+        "read again on SIGHUP; --api-key is one more tenant beside them",
+    )
+    fair_queue_slots: int = Field(
+        0,
+        ge=0,
+        description="with --api-keys-file: requests the router sends on to decode workers at once, past which they "
+        "wait in its fair queue, shared by tenant weight (kvserve up sets the decode workers' max_num_seqs in "
+        "all); 0: none held back",
+    )
 
 
 class RoutingSettings(Settings):

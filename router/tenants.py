@@ -84,12 +84,16 @@ ANONYMOUS = Tenant("anonymous")
 
 def load_keys_file(path: Path) -> dict[str, Tenant]:
     """The tenants of a keys file by key hash; ``ValueError`` naming the file and what to fix."""
-    mode = path.stat().st_mode
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: cannot read it: {err}") from None
     if mode & (stat.S_IRWXO):
         raise ValueError(f"{path}: mode {stat.filemode(mode)} lets other users read it; chmod o-rwx {path}")
     try:
-        data = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
         raise ValueError(f"{path}: not TOML: {err}") from None
     if set(data) - {"tenants"} or not isinstance(data.get("tenants"), dict):
         raise ValueError(f"{path}: expected [tenants.NAME] tables only, got {sorted(data)}")
@@ -161,7 +165,7 @@ class Tenants:
             return True
         try:
             table = load_keys_file(self.keys_file)
-        except (OSError, ValueError) as err:
+        except ValueError as err:
             log.error("keeping the tenants as they were: %s", err)
             metrics.TENANT_RELOADS.labels("refused").inc()
             return False

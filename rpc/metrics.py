@@ -51,6 +51,18 @@ STALLED_STREAMS = Counter("kvserve_stalled_streams", "Streams cancelled because 
                           "the stream idle timeout")
 MIGRATIONS = Counter("kvserve_router_stream_migrations", "Streams moved to another decode worker after theirs failed "
                      "mid-stream (it died or drained)")
+# tenants (router.tenants, router.fair_queue): labelled by name, at most router.tenants.MAX_TENANTS of them
+TENANT_REQUESTS = Counter("kvserve_tenant_requests", "Requests that ended at the router, by tenant and gRPC status",
+                          ["tenant", "status"])  # fmt: skip
+TENANT_REFUSED = Counter("kvserve_tenant_refused", "Requests refused for a tenant's bound (concurrency, "
+                         "tokens_per_minute)", ["tenant", "reason"])  # fmt: skip
+TENANT_TOKENS = Counter("kvserve_tenant_tokens", "Tokens of finished requests by tenant: prompt, completion",
+                        ["tenant", "kind"])  # fmt: skip
+TENANT_IN_FLIGHT = Gauge("kvserve_tenant_requests_in_flight", "A tenant's requests at the router now", ["tenant"])
+TENANT_QUEUED = Gauge("kvserve_tenant_requests_queued", "A tenant's requests waiting in the router's fair queue",
+                      ["tenant"])  # fmt: skip
+TENANT_RELOADS = Counter("kvserve_tenant_reloads", "Keys file reloads (SIGHUP): loaded, or refused (the old table "
+                         "kept)", ["result"])  # fmt: skip
 RESUMED = Counter("kvserve_router_resumed_streams", "Streams a client resumed through this router after another "
                   "router failed mid-way (GenerateRequest.resume, kvserve.failover)")  # fmt: skip
 ROUTING = Counter("kvserve_router_decisions", "Decode worker choices, by what decided them", ["reason"])

@@ -18,6 +18,7 @@
   weights and client, at 1 and 16 users;
 * ``tp``: tensor parallelism against one rank on this host: tokens/s and the collectives' share of a step;
 * ``priority``: high-priority TTFT through a cluster, unloaded and under an overload of low-priority users;
+* ``tenants``: one tenant's TTFT solo and beside another tenant's flood, with the router's fair queue and without;
 * ``disagg``: a prompt's TTFT through a prefill worker against the decode worker alone, by prompt length (what
   ``--disagg-min-uncached-tokens`` is chosen from);
 * ``kernels``: the Triton kernels against PyTorch's SDPA on a CUDA GPU, and the decode tile-config sweep
@@ -30,4 +31,4 @@
 
 # module: the name with "_" for "-"
 BENCHES = ("offline", "serve", "transfer", "cuda_ipc", "kv-curve", "tiers", "ring", "load", "kernels", "sampling",
-           "tracing", "peer", "tp", "priority", "disagg")
+           "tracing", "peer", "tp", "priority", "disagg", "tenants")

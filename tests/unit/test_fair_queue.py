@@ -74,11 +74,13 @@ def test_a_cancelled_waiter_passes_its_place_or_its_slot_on(granted):
         await asyncio.sleep(0)
         if granted:
             queue.release()  # the slot goes to one of them, which is cancelled before it runs
-        first.cancel()
-        second.cancel() if granted else None
-        await asyncio.gather(first, second, return_exceptions=True)
-        if not granted:
-            queue.release()
+            first.cancel()
+            second.cancel()
+            await asyncio.gather(first, second, return_exceptions=True)
+        else:
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            queue.release()  # the slot goes to the one still waiting
             await second
         return queue.out, queue.num_waiting
 
