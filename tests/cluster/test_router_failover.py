@@ -11,7 +11,7 @@ import signal
 from cluster_utils import Load, cluster, discard, offline_answers, prometheus_values
 from waiting import wait_until
 
-CONCURRENCY, MAX_TOKENS = 16, 24
+CONCURRENCY, MAX_TOKENS = 16, 16
 
 
 def _streamed(url: str) -> float:
@@ -28,7 +28,7 @@ def test_a_killed_router_loses_no_stream(tmp_path, llm):
         decode = c.child("decode-0").metrics_url
         load = Load(c.endpoints, threads=CONCURRENCY, max_tokens=MAX_TOKENS, expected=expected)
         start = _streamed(decode)
-        wait_until(lambda: _streamed(decode) >= start + 3 * CONCURRENCY, 120, "the load streaming")
+        wait_until(lambda: _streamed(decode) >= start + 2 * CONCURRENCY, 120, "the load streaming")
         os.kill(c.child("router").pid, signal.SIGKILL)  # mid-way through the streams it carries
         count = load.completed
         wait_until(lambda: load.done_since(count) >= CONCURRENCY, 120, "requests completed after the kill")
