@@ -29,7 +29,9 @@ scheduled this step: the lowest priority, the latest admitted among equals (with
 recently admitted, as before). Under the
 ``priority`` policy a waiting sequence that finds no slot or no blocks also preempts the lowest-priority running
 sequence below its own priority (not one admitted in the same step), until it fits or none is left. With
-equal priorities every rule is the FCFS one.
+equal priorities every rule is the FCFS one. Nothing starves: a waiting sequence is passed by at most
+``MAX_OVERTAKEN`` sequences of a higher priority that arrived after it (later ones queue behind it), and the
+policy preempts a sequence at most ``MAX_POLICY_PREEMPTIONS`` times.
 
 A sequence whose blocks do not fit does not block the smaller ones behind it:
 it is passed over (at most ``LOOKAHEAD`` sequences are passed per step, which
@@ -53,6 +55,8 @@ from kvstore import Block, BlockManager
 LOOKAHEAD = 4  # waiting sequences passed over per step at most
 MAX_PASSED_OVER = 16  # admissions that may pass a sequence before it blocks the queue
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # an int32, as vLLM's and the API's
+MAX_OVERTAKEN = 64  # later arrivals of a higher priority that may queue ahead of a waiting sequence
+MAX_POLICY_PREEMPTIONS = 4  # times the priority policy may preempt one sequence
 
 
 def check_priority(priority: int) -> None:
@@ -94,7 +98,7 @@ class Scheduler:
     def add(self, seq: Sequence, first: bool = False) -> None:
         """Queue ``seq`` last of its priority, or ``first`` (a choice of a request already admitted,
         ``engine.parallel_sampling``)."""
-        _insert(self.waiting, seq, first)
+        _insert(self.waiting, seq, first, bounded=not first)
 
     def _run(self, seq: Sequence) -> None:
         """Add ``seq`` to the running, last of its priority: each step walks them in this order, so a prompt of a
@@ -212,7 +216,8 @@ class Scheduler:
         batch; the budget it had, or None when the policy is FCFS or there is none."""
         if self.policy != "priority":
             return None
-        lower = [j for j, s in enumerate(self.running) if s.priority > seq.priority and s not in admitted]
+        lower = [j for j, s in enumerate(self.running) if s.priority > seq.priority and s not in admitted
+                 and s.num_preemptions < MAX_POLICY_PREEMPTIONS]  # fmt: skip
         if not lower:
             return None
         victim = self.running.pop(max(lower, key=lambda j: (self.running[j].priority, j)))
@@ -291,14 +296,23 @@ class Scheduler:
             self._free(seq)
 
 
-def _insert(queue: deque[Sequence] | list[Sequence], seq: Sequence, first: bool = False) -> None:
+def _insert(queue: deque[Sequence] | list[Sequence], seq: Sequence, first: bool = False, bounded: bool = False
+            ) -> None:  # fmt: skip
     """Put ``seq`` into ``queue`` (in priority order, arrival order within one) last of its priority, or
-    ``first``; with one priority, at the end or the front."""
+    ``first``; with one priority, at the end or the front. ``bounded`` (a new arrival in the waiting queue):
+    never ahead of a sequence already passed by ``MAX_OVERTAKEN``, and each one it goes ahead of counts it."""
     if not first and (not queue or queue[-1].priority <= seq.priority):
         queue.append(seq)
         return
     after = (lambda s: s.priority >= seq.priority) if first else (lambda s: s.priority > seq.priority)
-    queue.insert(next((i for i, s in enumerate(queue) if after(s)), len(queue)), seq)
+    at = next((i for i, s in enumerate(queue) if after(s)), len(queue))
+    if bounded:
+        capped = [i for i in range(at, len(queue)) if queue[i].num_overtaken >= MAX_OVERTAKEN]
+        if capped:  # it waited long enough: behind it, then by priority among those after it
+            at = next((i for i in range(capped[-1] + 1, len(queue)) if after(queue[i])), len(queue))
+        for i in range(at, len(queue)):
+            queue[i].num_overtaken += 1
+    queue.insert(at, seq)
 
 
 def _may_load(seq: Sequence) -> bool:

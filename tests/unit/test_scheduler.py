@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from engine.kv_connector import FinishedLoad, KVConnector
 from engine.sampling_params import SamplingParams
-from engine.scheduler import MAX_PASSED_OVER, Scheduler
+from engine.scheduler import MAX_OVERTAKEN, MAX_PASSED_OVER, MAX_POLICY_PREEMPTIONS, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import IncrementalDetokenizer
 from kvstore import BlockManager
@@ -237,3 +237,31 @@ def test_the_priority_policy_preempts_a_lower_priority_running_sequence_for_a_wa
             scheduler.add(peer)
             assert _run(scheduler) == [("urgent", 1)]  # the same priority waits for the slot
             assert list(scheduler.waiting) == [peer, low]
+
+
+def test_a_low_priority_sequence_is_passed_by_a_bounded_number_of_later_higher_ones():
+    """Starvation bound: MAX_OVERTAKEN later arrivals of a higher priority go ahead of a waiting sequence; the
+    ones after them queue behind it (still by priority among themselves)."""
+    scheduler = _scheduler(num_blocks=32, max_num_seqs=1)
+    scheduler.add(_prioritized("low", 4, 9))
+    for i in range(MAX_OVERTAKEN + 3):
+        scheduler.add(_prioritized(f"h{i}", 4, i % 2))  # priorities 0 and 1, alternating
+    order = [s.seq_id for s in scheduler.waiting]
+    assert order.index("low") == MAX_OVERTAKEN
+    assert order[MAX_OVERTAKEN + 1 :] == [f"h{MAX_OVERTAKEN}", f"h{MAX_OVERTAKEN + 2}", f"h{MAX_OVERTAKEN + 1}"]
+    # (without a cap all of them would be ahead: "low" last)
+
+
+def test_the_priority_policy_preempts_one_sequence_a_bounded_number_of_times():
+    scheduler = Scheduler(BlockManager(32, BLOCK), 1, 64, policy="priority")
+    low = _prioritized("low", 6, 3)
+    scheduler.add(low)
+    assert _run(scheduler) == [("low", 6)]
+    for i in range(MAX_POLICY_PREEMPTIONS + 1):
+        urgent = _prioritized(f"u{i}", 4, 1)
+        scheduler.add(urgent)
+        _run(scheduler)
+        if scheduler.running[0] is urgent:  # it took the slot: it ends, and low runs again
+            scheduler.finish(urgent, "length")
+            _run(scheduler)
+    assert low.num_preemptions == MAX_POLICY_PREEMPTIONS and low.status is SequenceStatus.RUNNING
