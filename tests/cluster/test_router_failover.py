@@ -31,8 +31,8 @@ def test_a_killed_router_loses_no_stream(tmp_path, llm):
         wait_until(lambda: _streamed(decode) >= start + 2 * CONCURRENCY, 120, "the load streaming")
         os.kill(c.child("router").pid, signal.SIGKILL)  # mid-way through the streams it carries
         count = load.completed
-        wait_until(lambda: load.done_since(count) >= CONCURRENCY, 120, "requests completed after the kill")
-        load.stop()
+        wait_until(lambda: load.done_since(count) >= 1, 120, "a request completed after the kill")
+        load.stop()  # (each thread ends its request in flight: every stream the kill broke included)
         resumed = prometheus_values(c.child("router-1").metrics_url, "kvserve_router_resumed_streams_total")
     finally:
         if load is not None:
