@@ -16,6 +16,7 @@ from engine import SamplingParams
 from kvserve.client import Client
 
 GREEDY = dict(temperature=0, max_tokens=8, ignore_eos=True)
+BURST = dict(temperature=0, max_tokens=2, ignore_eos=True)  # (where each is prefilled is what counts)
 
 
 def test_the_decode_worker_prefills_what_a_hand_off_does_not_pay_for(tmp_path, llm, engine_prompts):
@@ -24,7 +25,7 @@ def test_the_decode_worker_prefills_what_a_hand_off_does_not_pay_for(tmp_path, l
     assert len(prompts["short"]) == 20 and len(long_prompt) == 80
     burst = [[100 + i, *engine_prompts[6][i : i + 59]] for i in range(8)]  # 60 tokens each, none cached
     offline = llm.generate(list(prompts.values()), SamplingParams(**GREEDY))
-    offline_burst = llm.generate(burst, SamplingParams(**GREEDY))
+    offline_burst = llm.generate(burst, SamplingParams(**BURST))
     c = cluster(1, 1, tmp_path, decode_argv=["--disagg-min-uncached-tokens", "48", "--disagg-max-prefill-queue", "2"])
     try:
         url = c.child("decode-0").metrics_url
@@ -33,7 +34,7 @@ def test_the_decode_worker_prefills_what_a_hand_off_does_not_pay_for(tmp_path, l
             served = {name: client.generate(prompt, **GREEDY) for name, prompt in prompts.items()}
             after = prometheus_values(url, "kvserve_disagg_decisions_total")
             with ThreadPoolExecutor(len(burst)) as pool:
-                burst_served = list(pool.map(lambda p: client.generate(p, **GREEDY), burst))
+                burst_served = list(pool.map(lambda p: client.generate(p, **BURST), burst))
         after_burst = prometheus_values(url, "kvserve_disagg_decisions_total")
     finally:
         discard(c)
