@@ -6,9 +6,9 @@ from collections.abc import Sequence as Seq
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.priorities import check_priority
 from engine.requests import Prompt
 from engine.sampling_params import SamplingParams
-from engine.scheduler import check_priority
 
 
 class LLM:

@@ -40,9 +40,10 @@ from engine.model_runner import ExecutedStep, ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, StepError
 from engine.parallel_sampling import HeldChoices, choice_id, choice_params
+from engine.priorities import check_priority
 from engine.requests import Prompt, RequestValidator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler, check_priority
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative import build_speculator, keep_accepted
 from engine.step_diagnosis import StepDiagnosis

@@ -30,8 +30,8 @@ recently admitted, as before). Under the
 ``priority`` policy a waiting sequence that finds no slot or no blocks also preempts the lowest-priority running
 sequence below its own priority (not one admitted in the same step), until it fits or none is left. With
 equal priorities every rule is the FCFS one. Nothing starves: a waiting sequence is passed by at most
-``MAX_OVERTAKEN`` sequences of a higher priority that arrived after it (later ones queue behind it), and the
-policy preempts a sequence at most ``MAX_POLICY_PREEMPTIONS`` times.
+``engine.priorities.MAX_OVERTAKEN`` sequences of a higher priority that arrived after it (later ones queue
+behind it), and the policy preempts a sequence at most ``MAX_POLICY_PREEMPTIONS`` times.
 
 A sequence whose blocks do not fit does not block the smaller ones behind it:
 it is passed over (at most ``LOOKAHEAD`` sequences are passed per step, which
@@ -49,21 +49,13 @@ from dataclasses import dataclass, field
 
 from engine.kv_connector import FinishedLoad, KVConnector
 from engine.parallel_sampling import choice_id
+from engine.priorities import insert_by_priority
 from engine.sequence import Sequence, SequenceStatus
 from kvstore import Block, BlockManager
 
 LOOKAHEAD = 4  # waiting sequences passed over per step at most
 MAX_PASSED_OVER = 16  # admissions that may pass a sequence before it blocks the queue
-PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # an int32, as vLLM's and the API's
-MAX_OVERTAKEN = 64  # later arrivals of a higher priority that may queue ahead of a waiting sequence
 MAX_POLICY_PREEMPTIONS = 4  # times the priority policy may preempt one sequence
-
-
-def check_priority(priority: int) -> None:
-    """``ValueError`` naming ``priority`` unless it is an int32."""
-    if isinstance(priority, bool) or not isinstance(priority, int) or not (
-            PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]):  # fmt: skip
-        raise ValueError(f"priority must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], got {priority!r}")
 
 
 @dataclass
@@ -98,16 +90,16 @@ class Scheduler:
     def add(self, seq: Sequence, first: bool = False) -> None:
         """Queue ``seq`` last of its priority, or ``first`` (a choice of a request already admitted,
         ``engine.parallel_sampling``)."""
-        _insert(self.waiting, seq, first, bounded=not first)
+        insert_by_priority(self.waiting, seq, first, bounded=not first)
 
     def _run(self, seq: Sequence) -> None:
         """Add ``seq`` to the running, last of its priority: each step walks them in this order, so a prompt of a
         higher priority takes its chunks of the token budget before those of a lower one."""
-        _insert(self.running, seq)
+        insert_by_priority(self.running, seq)
 
     def _requeue(self, seq: Sequence) -> None:
         """Put ``seq`` back first of its priority (preempted, or its load failed)."""
-        _insert(self.waiting, seq, first=True)
+        insert_by_priority(self.waiting, seq, first=True)
 
     def num_prefilling(self) -> int:
         """Running sequences with more than their last token to compute: prompts (or preempted sequences'
@@ -294,25 +286,6 @@ class Scheduler:
         seq.finish_reason = reason
         if not self.connector.request_finished(seq):
             self._free(seq)
-
-
-def _insert(queue: deque[Sequence] | list[Sequence], seq: Sequence, first: bool = False, bounded: bool = False
-            ) -> None:  # fmt: skip
-    """Put ``seq`` into ``queue`` (in priority order, arrival order within one) last of its priority, or
-    ``first``; with one priority, at the end or the front. ``bounded`` (a new arrival in the waiting queue):
-    never ahead of a sequence already passed by ``MAX_OVERTAKEN``, and each one it goes ahead of counts it."""
-    if not first and (not queue or queue[-1].priority <= seq.priority):
-        queue.append(seq)
-        return
-    after = (lambda s: s.priority >= seq.priority) if first else (lambda s: s.priority > seq.priority)
-    at = next((i for i, s in enumerate(queue) if after(s)), len(queue))
-    if bounded:
-        capped = [i for i in range(at, len(queue)) if queue[i].num_overtaken >= MAX_OVERTAKEN]
-        if capped:  # it waited long enough: behind it, then by priority among those after it
-            at = next((i for i in range(capped[-1] + 1, len(queue)) if after(queue[i])), len(queue))
-        for i in range(at, len(queue)):
-            queue[i].num_overtaken += 1
-    queue.insert(at, seq)
 
 
 def _may_load(seq: Sequence) -> bool:

@@ -67,7 +67,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
     grammar: GrammarState | None = None  # its structured output's matcher (``engine.structured_output``)
     priority: int = 0  # lower first (vLLM's spelling), an int32; its request's, every choice's
-    num_overtaken: int = 0  # later arrivals of a higher priority queued ahead of it (``scheduler.MAX_OVERTAKEN``)
+    num_overtaken: int = 0  # later arrivals of a higher priority queued ahead of it (``priorities.MAX_OVERTAKEN``)
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or self.seq_id

@@ -83,13 +83,12 @@ class FrontDoor:
         self.max_concurrent_requests = max_concurrent_requests
         self.num_active = 0
 
-    def authorized(self, authorization: str | bytes | None) -> bool:
-        """Whether an ``Authorization`` value (``Bearer <key>``) admits the call; anything does without keys."""
-        return self.tenants.identify(authorization) is not None
+    def tenant(self, authorization: str | bytes | None) -> Tenant | None:
+        """The tenant an ``Authorization`` value (``Bearer <key>``) names; None: the call is refused (401)."""
+        return self.tenants.identify(authorization)
 
-    def admit(self, authorization: str | bytes | None) -> Admitted:
-        """The call's tenant, counted in flight: ``Refused`` over one of its bounds (the caller checked the key)."""
-        tenant = self.tenants.identify(authorization)
+    def admit(self, tenant: Tenant) -> Admitted:
+        """``tenant``'s call, counted in flight: ``Refused`` over one of its bounds."""
         self.tenants.enter(tenant)
         return Admitted(tenant)
 
@@ -129,15 +128,15 @@ class PublicInference(pb_grpc.InferenceServicer):
         self.router, self.door = router, door
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator:
-        authorization = dict(context.invocation_metadata() or ()).get("authorization")
-        if not self.door.authorized(authorization):
+        tenant = self.door.tenant(dict(context.invocation_metadata() or ()).get("authorization"))
+        if tenant is None:
             metrics.ROUTER_REFUSED.labels("unauthenticated").inc()
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHORIZED)
         if not self.door.try_enter():
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.door.busy_message())
         try:
             try:
-                admitted = self.door.admit(authorization)
+                admitted = self.door.admit(tenant)
             except Refused as err:
                 context.set_trailing_metadata((("retry-after", str(err.retry_after_s)),))
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
@@ -169,7 +168,8 @@ class HttpFrontDoor:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if scope["path"] not in _OPEN_PATHS and not self.door.authorized(headers.get(b"authorization")):
+        tenant = self.door.tenant(headers.get(b"authorization"))
+        if scope["path"] not in _OPEN_PATHS and tenant is None:
             metrics.ROUTER_REFUSED.labels("unauthenticated").inc()
             await _refuse(send, grpc.StatusCode.UNAUTHENTICATED, UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])
             return
@@ -185,7 +185,7 @@ class HttpFrontDoor:
         try:
             if generating:
                 try:
-                    admitted = self.door.admit(headers.get(b"authorization"))
+                    admitted = self.door.admit(tenant)
                 except Refused as err:
                     await _refuse(send, grpc.StatusCode.RESOURCE_EXHAUSTED, str(err),
                                   [(b"retry-after", str(err.retry_after_s).encode())])  # fmt: skip

@@ -154,11 +154,6 @@ class Tenants:
         """No key is asked for (no keys file, no ``--api-key``): every call is ``ANONYMOUS``."""
         return not self._by_hash
 
-    @property
-    def fair(self) -> bool:
-        """Whether tenants share the router by weight (a keys file names them)."""
-        return self.keys_file is not None
-
     def reload(self) -> bool:
         """Read the keys file again (SIGHUP); on a refused file keep the table, log why, and return False."""
         if self.keys_file is None:

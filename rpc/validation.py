@@ -34,8 +34,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.continuation import Continuation, check_continuation
+from engine.priorities import check_priority
 from engine.sampling_params import SamplingParams, check_token_ids
-from engine.scheduler import check_priority
 from engine.tokenizer import Tokenizer
 from kvstore.ring import UNBOUNDED
 from protos.kvserve.v1 import kvserve_pb2 as pb

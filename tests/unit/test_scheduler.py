@@ -5,8 +5,9 @@ does not fit; sequences waiting for remote KV. Blocks of 4 tokens."""
 from __future__ import annotations
 
 from engine.kv_connector import FinishedLoad, KVConnector
+from engine.priorities import MAX_OVERTAKEN
 from engine.sampling_params import SamplingParams
-from engine.scheduler import MAX_OVERTAKEN, MAX_PASSED_OVER, MAX_POLICY_PREEMPTIONS, Scheduler
+from engine.scheduler import MAX_PASSED_OVER, MAX_POLICY_PREEMPTIONS, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import IncrementalDetokenizer
 from kvstore import BlockManager

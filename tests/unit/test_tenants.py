@@ -39,7 +39,7 @@ def test_a_key_names_its_tenant_and_nothing_else_does(tmp_path):
     assert tenants.identify("Bearer the-single-key").name == "default"  # --api-key: one more tenant
     for wrong in (None, "", f"Basic {KEY_A}", "Bearer ", "Bearer nope", KEY_A):
         assert tenants.identify(wrong) is None
-    assert Tenants().identify(None) is ANONYMOUS and Tenants().open and not Tenants().fair
+    assert Tenants().identify(None) is ANONYMOUS and Tenants().open
 
 
 @pytest.mark.parametrize(
