@@ -17,6 +17,7 @@ import stat
 import threading
 import time
 
+import pytest
 from cluster_utils import cluster, discard, tiny_engine_argv
 from impostor import impostor, wait_port_free
 from redis_probe import NOBODY
@@ -37,6 +38,8 @@ def _ask_until(endpoint: str, deadline: float, answers: list, errors: list) -> N
                 errors.append(err)
 
 
+# soak (15 s): the refusal it probes is unit-tested in test_internal_tls.py (clients reach only the member they meant)
+@pytest.mark.soak
 def test_impostors_on_dead_workers_ports_get_no_token_and_no_prompt(tmp_path, tiny_model_dir):
     c = cluster(1, 2, tmp_path, decode_argv=["--prefill-timeout-s", "3"], engine_argv=tiny_engine_argv(tiny_model_dir))
     try:

@@ -205,6 +205,7 @@ def test_a_killed_rank_ends_its_worker_which_restarts_whole_while_its_streams_mo
     assert any(f"decode decode-0 (pid {old_pid}) exited" in m for m in messages), messages
 
 
+@pytest.mark.soak  # 9 s; the disk tier test below goes through both ranks' host tiers too
 def test_the_host_tier_works_over_two_ranks(llm):
     """Every rank keeps a host tier for its heads, and each swap and prefix load is made on each: sequences
     swapped out and back, and prefixes brought back from the host tier, give the tokens of one device without

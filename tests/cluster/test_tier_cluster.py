@@ -25,6 +25,7 @@ def tiered(tmp_path_factory):
     c.stop()
 
 
+@pytest.mark.soak  # 13 s; tests/engine/test_tiers.py runs the same eviction and reload in one process
 def test_a_prompt_the_decode_pool_evicted_comes_back_from_its_host_tier(tiered, engine_prompts, hf_model):
     c = tiered
     text = engine_prompts[6] + engine_prompts[5]
