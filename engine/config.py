@@ -128,6 +128,13 @@ class EngineConfig(ModelSettings):
         description="waiting requests are always taken by priority (lower first), then arrival; priority also "
         "preempts a running request of a lower priority for a waiting one that finds no room",
     )
+    priority_chunk_tokens: int = Field(
+        64,
+        ge=0,
+        description="under the priority policy, for a minute after a request of the best priority arrived, the "
+        "most prompt tokens a lower priority's prompt takes a step, so that an urgent request waits for at most "
+        "one short step; 0: uncapped",
+    )
     preemption_mode: Literal["auto", "swap", "recompute"] = Field(
         "auto",
         description="what a preempted sequence's KV becomes: swap copies it to the host tier and back; recompute "

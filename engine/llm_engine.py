@@ -85,7 +85,8 @@ class LLMEngine:
                                  self.runner.kv_cache.layers, self.prefix_salt, self.runner.ranks)  # fmt: skip
         self.connector = self.tiers or KVConnector()
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   self.connector, self.config.scheduling_policy)  # fmt: skip
+                                   self.connector, self.config.scheduling_policy,
+                                   self.config.priority_chunk_tokens)  # fmt: skip
         self.speculator = build_speculator(self.config, self.model_config, self.tokenizer, self.runner.num_blocks,
                                            self.max_model_len)  # fmt: skip
         self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len, self.runner.model_ring)

@@ -1,14 +1,18 @@
-"""Request priorities (lower first, an int32, as vLLM spells them): the check every door makes, and the order
-``engine.scheduler`` keeps its waiting and running sequences in."""
+"""Request priorities (lower first, an int32, as vLLM spells them): the check every door makes, the order
+``engine.scheduler`` keeps its waiting and running sequences in, and (``Urgency``) the small prompt chunks of
+lower priorities under the ``priority`` policy."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 
 from engine.sequence import Sequence
 
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # an int32, as vLLM's and the API's
 MAX_OVERTAKEN = 64  # later arrivals of a higher priority that may queue ahead of a waiting sequence
+URGENT_FOR_S = 60.0  # how long an arrival of the best priority keeps lower priorities' prompt chunks small
 
 
 def check_priority(priority: int) -> None:
@@ -35,3 +39,52 @@ def insert_by_priority(queue: deque[Sequence] | list[Sequence], seq: Sequence, f
         for i in range(at, len(queue)):
             queue[i].num_overtaken += 1
     queue.insert(at, seq)
+
+
+def in_prompt(seq: Sequence) -> bool:
+    """Whether ``seq`` has more than its last token to compute (a prompt, or a preempted sequence's recompute)."""
+    return seq.num_tokens - seq.num_computed_tokens > 1
+
+
+def best_prompt(running: list[Sequence], waiting: deque[Sequence]) -> int | None:
+    """The best priority of a prompt being prefilled or first in the waiting queue (None: no such prompt): a
+    step under the ``priority`` policy gives no prompt chunk to a lower priority than this, unless this
+    prompt gets none (``engine.scheduler``)."""
+    prompts = [seq.priority for seq in running if in_prompt(seq)] + ([waiting[0].priority] if waiting else [])
+    return min(prompts, default=None)
+
+
+class Urgency:
+    """What the prompts of lower priorities may take of a step, under the ``priority`` policy.
+
+    A request that arrives waits for the step under way, and a step that prefills long prompts of a lower
+    priority takes as long as those prompts (on a CPU, 128 prompt tokens beside 8 decodes: about four decode
+    steps). So for ``URGENT_FOR_S`` after a request of the best priority arrived, the prompts of every lower
+    priority take at most ``chunk_tokens`` of a step together: an urgent request waits for at most one such
+    step, and its own prompt takes the step's whole budget. Without urgent arrivals nothing is capped.
+    Decodes are never held back: they ride in every step."""
+
+    def __init__(self, chunk_tokens: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.chunk_tokens = chunk_tokens  # 0: off
+        self._clock = clock
+        self._best: int | None = None  # the best priority that arrived within URGENT_FOR_S
+        self._at = 0.0  # when it last arrived
+        self._left: int | None = None  # what lower priorities' prompts may still take of this step (None: any)
+
+    def arrived(self, priority: int) -> None:
+        now = self._clock()
+        if self._best is None or priority <= self._best or now - self._at > URGENT_FOR_S:
+            self._best, self._at = priority, now
+
+    def begin_step(self) -> None:
+        urgent = self.chunk_tokens and self._best is not None and self._clock() - self._at <= URGENT_FOR_S
+        self._left = self.chunk_tokens if urgent else None
+
+    def chunk(self, seq: Sequence, start: int, budget: int) -> int:
+        """The tokens of ``seq``'s prompt from ``start`` that this step computes, with ``budget`` left; a lower
+        priority's count against what lower priorities may take of the step."""
+        if self._left is None or seq.priority <= self._best:
+            return seq.num_tokens_to_compute(start, budget)
+        n = seq.num_tokens_to_compute(start, min(budget, self._left))
+        self._left -= n
+        return n

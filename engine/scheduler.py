@@ -29,7 +29,10 @@ scheduled this step: the lowest priority, the latest admitted among equals (with
 recently admitted, as before). Under the
 ``priority`` policy a waiting sequence that finds no slot or no blocks also preempts the lowest-priority running
 sequence below its own priority (not one admitted in the same step), until it fits or none is left. With
-equal priorities every rule is the FCFS one. Nothing starves: a waiting sequence is passed by at most
+equal priorities every rule is the FCFS one. The policy also keeps an urgent prompt's step short: a step that
+prefills a prompt of some priority gives no prompt chunk to a lower one (unless the better prompt gets none),
+and lower priorities' prompts run in small chunks for a while after an urgent arrival (``priorities.Urgency``).
+Nothing starves: a waiting sequence is passed by at most
 ``engine.priorities.MAX_OVERTAKEN`` sequences of a higher priority that arrived after it (later ones queue
 behind it), and the policy preempts a sequence at most ``MAX_POLICY_PREEMPTIONS`` times.
 
@@ -49,7 +52,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_connector import FinishedLoad, KVConnector
 from engine.parallel_sampling import choice_id
-from engine.priorities import insert_by_priority
+from engine.priorities import Urgency, best_prompt, in_prompt, insert_by_priority
 from engine.sequence import Sequence, SequenceStatus
 from kvstore import Block, BlockManager
 
@@ -75,9 +78,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 connector: KVConnector | None = None, policy: str = "fcfs") -> None:  # fmt: skip
+                 connector: KVConnector | None = None, policy: str = "fcfs",
+                 priority_chunk_tokens: int = 0) -> None:  # fmt: skip
         self.block_manager = block_manager
         self.policy = policy
+        self.urgency = Urgency(priority_chunk_tokens if policy == "priority" else 0)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.connector = connector or KVConnector()
@@ -91,6 +96,8 @@ class Scheduler:
         """Queue ``seq`` last of its priority, or ``first`` (a choice of a request already admitted,
         ``engine.parallel_sampling``)."""
         insert_by_priority(self.waiting, seq, first, bounded=not first)
+        if not first:
+            self.urgency.arrived(seq.priority)
 
     def _run(self, seq: Sequence) -> None:
         """Add ``seq`` to the running, last of its priority: each step walks them in this order, so a prompt of a
@@ -104,7 +111,7 @@ class Scheduler:
     def num_prefilling(self) -> int:
         """Running sequences with more than their last token to compute: prompts (or preempted sequences'
         recomputes) being prefilled here, chunk by chunk."""
-        return sum(1 for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1)
+        return sum(1 for seq in self.running if in_prompt(seq))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv)
@@ -127,9 +134,17 @@ class Scheduler:
                 picked = [(s, 1) for s in running]
                 budget -= len(running)
                 i = len(running)
+        ahead = best_prompt(self.running, self.waiting) if self.policy == "priority" else None
+        self.urgency.begin_step()
+        held: list[Sequence] = []
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = seq.num_tokens_to_compute(seq.num_computed_tokens, budget)
+            prompt = in_prompt(seq)
+            if prompt and ahead is not None and seq.priority > ahead:
+                held.append(seq)
+                i += 1
+                continue
+            n = (self.urgency.chunk if prompt else Sequence.num_tokens_to_compute)(seq, seq.num_computed_tokens, budget)
             if seq.spec_token_ids and not self._allocate(seq, seq.num_computed_tokens + n):
                 seq.spec_token_ids.clear()  # no blocks for its proposals: it decodes plainly, preempting no one
                 n = seq.num_tokens_to_compute(seq.num_computed_tokens, budget)
@@ -144,6 +159,8 @@ class Scheduler:
                 budget -= n
                 i += 1
         admitted = [] if preempted else self._admit(budget, picked)
+        if held and not any(s.priority <= ahead and in_prompt(s) for s, _ in picked):
+            self._schedule_held(held, picked)  # the better prompt got no chunk: no reason to hold them
         decodes = [(s, n) for s, n in picked if n == 1]
         prefills = [(s, n) for s, n in picked if n != 1]
         ordered = decodes + prefills
@@ -169,7 +186,7 @@ class Scheduler:
             may_load = _may_load(seq) and (self.connector.brings_logits or not seq.wants_prompt_logprobs)
             num_external, later = self.connector.num_external_tokens(seq, num_cached) if may_load else (0, False)
             num_start = num_cached + num_external
-            n = 0 if later else seq.num_tokens_to_compute(num_start, budget)
+            n = 0 if later else self.urgency.chunk(seq, num_start, budget)
             if not later and n == 0:
                 break  # no budget left
             if not self._allocate(seq, seq.num_tokens if later else num_start + n, cached):
@@ -201,6 +218,15 @@ class Scheduler:
             self.connector.after_allocate(seq, num_external)
         self.waiting.extendleft(reversed(passed))
         return admitted
+
+    def _schedule_held(self, held: list[Sequence], picked: list[tuple[Sequence, int]]) -> None:
+        """Give the prompt chunks held back this step what the budget has left (none preempts another)."""
+        budget = self.max_num_batched_tokens - sum(n for _, n in picked)
+        for seq in held:
+            n = self.urgency.chunk(seq, seq.num_computed_tokens, budget)
+            if seq.status is SequenceStatus.RUNNING and n > 0 and self._allocate(seq, seq.num_computed_tokens + n):
+                picked.append((seq, n))
+                budget -= n
 
     def _make_room(self, seq: Sequence, picked: list[tuple[Sequence, int]], admitted: list[Sequence]) -> int | None:
         """Under the ``priority`` policy: preempt the lowest-priority running sequence whose priority is below

@@ -3,7 +3,8 @@
     kvserve bench priority [--max-num-seqs 8] [--overload 2] [--high 12] [--prompt-len 128] [--max-tokens 32]
 
 One decode worker behind the router (``kvserve up --prefill 0 --scheduling-policy priority --max-num-seqs N``).
-Unloaded: ``--high`` requests at priority 0, one after another. Loaded: ``overload x N`` users at priority 10,
+Unloaded: ``--high`` requests at priority 0, one after another, each after a random pause (under
+``PAUSE_S``, the same pauses on both sides). Loaded: ``overload x N`` users at priority 10,
 each sending its next request as soon as the last ends (``overload`` times what the worker runs at once: the
 rest wait in its queue), and meanwhile the same ``--high`` requests at priority 0, one after another. Reported:
 the high-priority TTFT p50 and p99 unloaded and loaded and their ratio, and the low-priority requests that
@@ -20,6 +21,8 @@ import threading
 import time
 
 from kvserve.bench import report
+
+PAUSE_S = 0.25  # the longest pause before each high-priority request
 
 
 def _ttft(client, prompt: list[int], max_tokens: int, priority: int) -> float:
@@ -50,7 +53,14 @@ def run(endpoint: str, vocab: int, num_users: int, num_high: int, prompt_len: in
     high_prompts = [prompt() for _ in range(num_high)]
     with Client(endpoint, timeout_s=600) as client:
         _ttft(client, prompt(), 2, 0)  # warm-up
-        unloaded = [_ttft(client, p, max_tokens, 0) for p in high_prompts]
+        # each high-priority request after a pause of its own: one sent as the last ends would arrive just after a
+        # step began (the last token ends a step), and wait for nearly all of it every time
+        pauses = [rng.uniform(0, PAUSE_S) for _ in high_prompts]
+
+        def highs(prompts: list[list[int]]) -> list[float]:
+            return [time.sleep(pause) or _ttft(client, p, max_tokens, 0) for pause, p in zip(pauses, prompts)]
+
+        unloaded = highs(high_prompts)
         stop, low = threading.Event(), []
 
         def user() -> None:
@@ -63,7 +73,7 @@ def run(endpoint: str, vocab: int, num_users: int, num_high: int, prompt_len: in
         for thread in users:
             thread.start()
         time.sleep(fill_s)  # the queue fills
-        loaded = [_ttft(client, [7, *p[1:]], max_tokens, 0) for p in high_prompts]  # (not the cached prefix)
+        loaded = highs([[7, *p[1:]] for p in high_prompts])  # (not the cached prefix)
         stop.set()
         for thread in users:
             thread.join()
@@ -83,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the worker's step budget: a request that arrives waits for the step under way")
+    parser.add_argument("--priority-chunk-tokens", type=int, default=None,
+                        help="the worker's cap on a lower priority's prompt chunk after an urgent arrival (0: none)")
     args = parser.parse_args(argv)
     from engine.bundled import resolve_model
     from engine.model_config import ModelConfig
@@ -94,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     cluster = start_cluster(parse_up(["--port", str(base), "--http-port", "0", "--prefill", "0", "--scheduling-policy",
                                       "priority", "--max-num-seqs", str(args.max_num_seqs),
                                       *(["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-                                        if args.max_num_batched_tokens else [])]))  # fmt: skip
+                                        if args.max_num_batched_tokens else []),
+                                      *(["--priority-chunk-tokens", str(args.priority_chunk_tokens)]
+                                        if args.priority_chunk_tokens is not None else [])]))  # fmt: skip
     try:
         row = run(cluster.endpoint, vocab, round(args.overload * args.max_num_seqs), args.high, args.prompt_len,
                   args.max_tokens)  # fmt: skip
