@@ -103,8 +103,13 @@ class UpSettings(ThreadSettings, RegistrySettings, DrainSettings, StreamSettings
         return settings_argv(self, fields_of(TracingSettings))
 
     def engine_argv(self) -> list[str]:
-        """The engine options given to ``kvserve up``, as every worker's flags."""
-        return settings_argv(self, fields_of(EngineConfig, UP_SET_FIELDS))
+        """The engine options given to ``kvserve up``, as every worker's flags; with ``--api-keys-file`` and no
+        ``--scheduling-policy``, ``priority``: the workers then run requests within their tenant's share first
+        (``router.fair_queue``)."""
+        argv = settings_argv(self, fields_of(EngineConfig, UP_SET_FIELDS))
+        if self.api_keys_file and "scheduling_policy" not in self.model_fields_set:
+            argv += ["--scheduling-policy", "priority"]
+        return argv
 
     def router_argv(self) -> list[str]:
         """The stream options, the served names and ``--max-model-len`` given, as the router's flags (its model

@@ -194,8 +194,8 @@ class Router(pb_grpc.InferenceServicer):
             call_request = pb.DecodeRequest(request_id=request.request_id or uuid.uuid4().hex,
                                             prompt_token_ids=prompt, sampling=sampling_to_proto(params),
                                             preferred_prefill_worker=prefill_slot.key)  # fmt: skip
-            if request.sampling.HasField("priority"):  # (not a sampling parameter: the workers' queue order)
-                call_request.sampling.priority = request.sampling.priority
+            if request.sampling.HasField("priority") or hold.queue is not None:  # (the workers' queue order)
+                call_request.sampling.priority = hold.worker_priority(request.sampling.priority)
             for worker in targets:
                 with self._claim(worker.worker_id):
                     relayed.resume(call_request)

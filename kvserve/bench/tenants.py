@@ -7,7 +7,8 @@ in a keys file (``--api-keys-file``). Solo: tenant ``steady`` sends ``--steady``
 Flooded: tenant ``flood`` runs ``flood x N/2`` users (``--flood`` times its half of the worker's slots), each
 sending its next request as soon as the last ends, and meanwhile ``steady`` sends the same requests again.
 The same two sides run on a cluster without the keys file (no tenants: every request goes straight to the
-worker's queue). Reported: steady's TTFT p50 and p90 solo and flooded, and their ratio, on each cluster.
+worker's queue). Reported: steady's TTFT p50 and p90 solo and flooded, and their ratio, on each cluster; and the
+flood's requests done a second while steady's ran (what fairness cost it).
 """
 
 from __future__ import annotations
@@ -59,13 +60,16 @@ def run(endpoint: str, keys: dict[str, str | None], vocab: int, num_flood: int, 
         for thread in users:
             thread.start()
         time.sleep(fill_s)  # the flood fills the worker and its queue
+        began, done = time.perf_counter(), len(flooded)
         loaded = [_ttft(steady, [7, *p[1:]], max_tokens) for p in steady_prompts]  # (not the cached prefix)
+        flood_rate = (len(flooded) - done) / (time.perf_counter() - began)
         stop.set()
         for thread in users:
             thread.join()
     return {"solo p50 ms": statistics.median(solo) * 1e3, "solo p90 ms": percentile(solo, 90) * 1e3,
             "flooded p50 ms": statistics.median(loaded) * 1e3, "flooded p90 ms": percentile(loaded, 90) * 1e3,
-            "p50 ratio": statistics.median(loaded) / statistics.median(solo), "flood requests": len(flooded)}
+            "p50 ratio": statistics.median(loaded) / statistics.median(solo), "flood requests": len(flooded),
+            "flood req/s": flood_rate}  # (while steady's ran: how much the flood still got done)
 
 
 def keys_file(directory: Path) -> tuple[Path, dict[str, str]]:

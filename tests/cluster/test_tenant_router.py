@@ -2,7 +2,9 @@
 front of a real decode worker, over loopback: each tenant's key on both doors (a wrong one gets 401), a tenant
 over its requests in flight gets 429 with Retry-After (RESOURCE_EXHAUSTED with retry-after over gRPC) while
 another tenant is served, SIGHUP revokes a key and keeps the table through a bad file, and with one slot a
-tenant's request is sent on before a flooding tenant's queued ones."""
+tenant's request is sent on before a flooding tenant's queued ones; and a tenant below its share is sent on at
+once, past the slots, and the worker (``--scheduling-policy priority``) preempts a flood stream past its share
+for it."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -46,24 +49,32 @@ def _write_keys(path: Path, tenants: dict[str, str]) -> None:
     path.chmod(0o600)
 
 
-@pytest.fixture(scope="module")
-def router(model_dir, tmp_path_factory):
-    stack = RouterStack(model_dir, num_blocks=256)
-    keys = tmp_path_factory.mktemp("tenants") / "keys.toml"
-    _write_keys(keys, {"solo": "max_concurrency = 1", "flood": "", "steady": ""})
+@contextmanager
+def _router_process(stack: RouterStack, keys: Path, slots: int):
+    """A ``python -m router`` in front of ``stack``'s decode worker, with the keys file and fair-queue slots."""
     ports = {name: _free_port() for name in ("grpc", "http", "metrics")}
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV} | {TOKEN_ENV: TEST_SECURITY.token}
     cmd = [sys.executable, "-m", "router", "--port", str(ports["grpc"]), "--http-port", str(ports["http"]),
            "--metrics-port", str(ports["metrics"]), "--decode-address", stack.decode.address,
-           "--api-keys-file", str(keys), "--fair-queue-slots", "1"]  # fmt: skip
+           "--api-keys-file", str(keys), "--fair-queue-slots", str(slots)]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, cwd=Path(__file__).parents[2])
     address, url = f"127.0.0.1:{ports['grpc']}", f"http://127.0.0.1:{ports['http']}"
-    wait_until(lambda: proc.poll() is None and _post(url + "/health", None)[0] == 200, 120, "the router serving",
-               interval_s=0.2)  # fmt: skip
-    yield address, url, keys, proc, f"http://127.0.0.1:{ports['metrics']}/metrics"
-    proc.terminate()
-    proc.wait(timeout=60)
-    stack.stop()
+    try:
+        wait_until(lambda: proc.poll() is None and _post(url + "/health", None)[0] == 200, 120,
+                   "the router serving", interval_s=0.2)  # fmt: skip
+        yield address, url, keys, proc, f"http://127.0.0.1:{ports['metrics']}/metrics"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def router(model_dir, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("tenants") / "keys.toml"
+    _write_keys(keys, {"solo": "max_concurrency = 1", "flood": "", "steady": ""})
+    with _router_process(RouterStack(model_dir, num_blocks=256), keys, slots=1) as running:
+        yield running
 
 
 def _post(url: str, body: dict | None, key: str | None = None) -> tuple[int, dict, dict]:
@@ -145,3 +156,37 @@ def test_a_flooding_tenant_does_not_hold_back_another(router):
         thread.join(180)
     assert sorted(ended) == ["flood"] * 4 + ["steady"]
     assert ended.index("steady") <= 2, ended  # FIFO would put it last
+
+
+def test_a_tenant_below_its_share_preempts_a_flood_stream_past_its_share(model_dir, tmp_path, llm):
+    """Two slots, two tenants of equal weight (a share of one slot each), a worker that runs two sequences under
+    the priority policy. Flood's first stream is within its share, its second past it, its third waits in the
+    router. Steady's stream, sent last, is sent on at once and takes the second's place in the worker (at one
+    rank it would wait for a slot, and end third or later): it ends second, the preempted stream is
+    recomputed, and every stream gives the offline engine's tokens."""
+    from engine import SamplingParams
+
+    keys = tmp_path / "keys.toml"
+    _write_keys(keys, {"flood": "", "steady": ""})
+    want = llm.generate(["Once upon a time"], SamplingParams(**LONG))[0].token_ids
+    stack = RouterStack(model_dir, num_blocks=256, scheduling_policy="priority", max_num_seqs=2)
+    ended, tokens, lock = [], [], threading.Lock()
+    with _router_process(stack, keys, slots=2) as (address, *_):
+        def send(tenant: str) -> None:
+            with Client(address, timeout_s=120, api_key=KEYS[tenant]) as client:
+                out = client.generate("Once upon a time", **LONG)
+            with lock:
+                ended.append(tenant)
+                tokens.append(out.token_ids)
+
+        send("steady")  # (seen: its share is counted from now on)
+        ended.clear()
+        threads = [threading.Thread(target=send, args=(tenant,)) for tenant in ("flood",) * 3 + ("steady",)]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.3)  # (in order; the flood streams under way)
+        for thread in threads:
+            thread.join(180)
+        preemptions = stack.engine.scheduler.num_preemptions
+    assert sorted(ended) == ["flood"] * 3 + ["steady"] and ended.index("steady") == 1, ended
+    assert preemptions >= 1 and all(t == want for t in tokens)

@@ -32,10 +32,11 @@ class RouterStack:
     one event-loop thread, both with ``max_model_len`` when given. ``address`` is the router's; ``stop()`` ends
     everything it started."""
 
-    def __init__(self, model_dir, num_blocks: int = 64, max_waiting: int = 64, max_model_len: int | None = None
-                 ) -> None:  # fmt: skip
+    def __init__(self, model_dir, num_blocks: int = 64, max_waiting: int = 64, max_model_len: int | None = None,
+                 **engine_options) -> None:  # fmt: skip
         self.aio = AsyncioThread()
-        self.engine = LLMEngine(model="default", num_blocks=num_blocks, block_size=16, max_model_len=max_model_len)
+        self.engine = LLMEngine(model="default", num_blocks=num_blocks, block_size=16, max_model_len=max_model_len,
+                                **engine_options)  # fmt: skip
         self.worker = DecodeWorker(self.engine, "decode-0", "127.0.0.1:0", self.aio, TEST_SECURITY,
                                    max_waiting=max_waiting)  # fmt: skip
         self.worker.loop.start()

@@ -126,6 +126,14 @@ def test_kvserve_up_passes_every_engine_option_on_to_its_workers(monkeypatch):
     assert UpSettings().engine_argv() == []  # only what was given: a worker's own defaults stay its own
 
 
+def test_with_tenants_the_workers_schedule_by_priority_unless_told_otherwise(tmp_path):
+    keys = str(tmp_path / "keys.toml")
+    workers = parse_settings(DecodeSettings, UpSettings(api_keys_file=keys).engine_argv()).engine_config()
+    assert workers.scheduling_policy == "priority"  # (router.fair_queue ranks requests past a share by priority)
+    told = UpSettings(api_keys_file=keys, scheduling_policy="fcfs").engine_argv()
+    assert parse_settings(DecodeSettings, told).engine_config().scheduling_policy == "fcfs"
+
+
 def test_kvserve_up_passes_the_model_and_stream_options_to_the_router_and_tls_files_to_it_only(tmp_path):
     up = UpSettings(model="m", skip_tokenizer_init=True, migrate_streams=False, tls_cert="c.pem", tls_key="k.pem",
                     cluster_token_file=str(tmp_path / "token"), insecure_internal=True)  # fmt: skip
