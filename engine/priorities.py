@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 from engine.sequence import Sequence
 
@@ -22,7 +23,14 @@ def check_priority(priority: int) -> None:
         raise ValueError(f"priority must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], got {priority!r}")
 
 
-def insert_by_priority(queue: deque[Sequence] | list[Sequence], seq: Sequence, first: bool = False,
+class Queued(Protocol):
+    """What waits in a priority-ordered queue: a ``Sequence``, or a prefill worker's job."""
+
+    priority: int
+    num_overtaken: int
+
+
+def insert_by_priority(queue: deque[Queued] | list[Queued], seq: Queued, first: bool = False,
                        bounded: bool = False) -> None:  # fmt: skip
     """Put ``seq`` into ``queue`` (in priority order, arrival order within one) last of its priority, or
     ``first``; with one priority, at the end or the front. ``bounded`` (a new arrival in the waiting queue):

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import itertools
 import queue
 import time
+from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from engine import SamplingParams
 from engine.logprobs import TokenLogprob
+from engine.priorities import insert_by_priority
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from rpc import metrics
 from transfer.interface import KVTransport
@@ -34,25 +35,33 @@ class PrefillJob:
     cancelled: bool = False  # the caller gave up: never start it, or stop it at the next step
     writes_ended: bool = False  # we will never write into the destination's pool for it again, and said so
     priority: int = 0  # lower first: the queue's order, then arrival (``JobQueue``)
+    num_overtaken: int = 0  # later arrivals of a higher priority queued ahead of it (``JobQueue``)
 
     @property
     def expired(self) -> bool:
         return self.transport.backend.writes_in_place and time.monotonic() >= self.write_until
 
 
-class JobQueue(queue.PriorityQueue):
-    """The worker's waiting jobs, taken by priority, then arrival (a thread-safe queue)."""
+class JobQueue(queue.Queue):
+    """The worker's waiting jobs, taken by priority, then arrival (a thread-safe queue), with the decode side's
+    starvation bound: a job is passed by at most ``engine.priorities.MAX_OVERTAKEN`` later arrivals of a higher
+    priority, and the ones after them queue behind it (``insert_by_priority``)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._arrivals = itertools.count()
+    def _init(self, maxsize: int) -> None:  # (queue.Queue's hooks, called under its lock)
+        self.queue: deque[PrefillJob] = deque()
+
+    def _put(self, job: PrefillJob) -> None:
+        insert_by_priority(self.queue, job, bounded=True)
+
+    def _get(self) -> PrefillJob:
+        return self.queue.popleft()
 
     def put_job(self, job: PrefillJob) -> None:
-        self.put((job.priority, next(self._arrivals), job))
+        self.put(job)
 
     def get_job(self, timeout: float | None = None) -> PrefillJob:
         """The next job; ``queue.Empty`` when none came within ``timeout`` (0: none waiting now)."""
-        return (self.get(timeout=timeout) if timeout else self.get_nowait())[2]
+        return self.get(timeout=timeout) if timeout else self.get_nowait()
 
 
 @dataclass
