@@ -56,42 +56,73 @@ def in_prompt(seq: Sequence) -> bool:
 
 def best_prompt(running: list[Sequence], waiting: deque[Sequence]) -> int | None:
     """The best priority of a prompt being prefilled or first in the waiting queue (None: no such prompt): a
-    step under the ``priority`` policy gives no prompt chunk to a lower priority than this, unless this
-    prompt gets none (``engine.scheduler``)."""
+    step under the ``priority`` policy runs no prompt chunk of a lower priority than this, nor (one step in two
+    at most) its decodes, unless this prompt gets no chunk (``engine.scheduler``)."""
     prompts = [seq.priority for seq in running if in_prompt(seq)] + ([waiting[0].priority] if waiting else [])
     return min(prompts, default=None)
 
 
 class Urgency:
-    """What the prompts of lower priorities may take of a step, under the ``priority`` policy.
+    """What a step under the ``priority`` policy holds back for a better priority.
 
     A request that arrives waits for the step under way, and a step that prefills long prompts of a lower
     priority takes as long as those prompts (on a CPU, 128 prompt tokens beside 8 decodes: about four decode
-    steps). So for ``URGENT_FOR_S`` after a request of the best priority arrived, the prompts of every lower
-    priority take at most ``chunk_tokens`` of a step together: an urgent request waits for at most one such
-    step, and its own prompt takes the step's whole budget. Without urgent arrivals nothing is capped.
-    Decodes are never held back: they ride in every step."""
+    steps). So:
 
-    def __init__(self, chunk_tokens: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.chunk_tokens = chunk_tokens  # 0: off
+    - a step that prefills a prompt (``best_prompt``) runs no prompt chunk of a lower priority, nor its
+      decodes (which sit out one step in two at most), unless that prompt gets no chunk after all
+      (``hold``, ``release``);
+    - for ``URGENT_FOR_S`` after a request of the best priority arrived, the prompts of every lower priority
+      take at most ``chunk_tokens`` of a step together (``chunk``): an urgent request waits for at most one
+      such step, and its own prompt takes the step's whole budget. Without urgent arrivals nothing is capped.
+    """
+
+    def __init__(self, enabled: bool, chunk_tokens: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.enabled = enabled
+        self.chunk_tokens = chunk_tokens if enabled else 0  # 0: off
         self._clock = clock
         self._best: int | None = None  # the best priority that arrived within URGENT_FOR_S
         self._at = 0.0  # when it last arrived
         self._left: int | None = None  # what lower priorities' prompts may still take of this step (None: any)
+        self.ahead: int | None = None  # this step's best prompt's priority
+        self.hold_decodes = False  # this step holds lower priorities' decodes back too
+        self._held: list[Sequence] = []
+        self._held_decodes = False  # the last step held decodes back
 
     def arrived(self, priority: int) -> None:
         now = self._clock()
         if self._best is None or priority <= self._best or now - self._at > URGENT_FOR_S:
             self._best, self._at = priority, now
 
-    def begin_step(self) -> None:
+    def begin_step(self, running: list[Sequence], waiting: deque[Sequence]) -> None:
         urgent = self.chunk_tokens and self._best is not None and self._clock() - self._at <= URGENT_FOR_S
         self._left = self.chunk_tokens if urgent else None
+        self.ahead = best_prompt(running, waiting) if self.enabled else None
+        self.hold_decodes = (self.ahead is not None and not self._held_decodes
+                             and any(seq.priority > self.ahead for seq in running))  # fmt: skip
+        self._held, self._held_decodes = [], False
+
+    def hold(self, seq: Sequence) -> bool:
+        """Whether ``seq`` sits out this step (so far: see ``release``)."""
+        if self.ahead is None or seq.priority <= self.ahead or not (self.hold_decodes or in_prompt(seq)):
+            return False
+        self._held.append(seq)
+        return True
+
+    def release(self, scheduled: list[Sequence]) -> list[Sequence]:
+        """The sequences held that run after all, once the step's others are ``scheduled``: all of them when
+        the better prompt got no chunk (nothing to wait for), else none."""
+        if not self._held:
+            return []
+        if any(seq.priority <= self.ahead and in_prompt(seq) for seq in scheduled):
+            self._held_decodes = any(not in_prompt(seq) for seq in self._held)
+            return []
+        return self._held
 
     def chunk(self, seq: Sequence, start: int, budget: int) -> int:
-        """The tokens of ``seq``'s prompt from ``start`` that this step computes, with ``budget`` left; a lower
-        priority's count against what lower priorities may take of the step."""
-        if self._left is None or seq.priority <= self._best:
+        """The tokens of ``seq`` from ``start`` that this step computes, with ``budget`` left; a lower priority's
+        prompt tokens count against what lower priorities may take of the step."""
+        if self._left is None or seq.priority <= self._best or not in_prompt(seq):
             return seq.num_tokens_to_compute(start, budget)
         n = seq.num_tokens_to_compute(start, min(budget, self._left))
         self._left -= n

@@ -22,19 +22,14 @@ sequence slot, but it is never a preemption victim (a writer may be filling its
 blocks).
 
 Priorities (``Sequence.priority``, lower first): the waiting queue is ordered by priority, then arrival; a
-preempted sequence (or one whose load failed) goes back to the front of its priority, not of the queue. The
-running sequences are kept in priority order too (admission order within one), so a higher priority's prompt
-chunks come first out of each step's budget, and the one preempted for lack of blocks is the last not yet
-scheduled this step: the lowest priority, the latest admitted among equals (with one priority: the most
-recently admitted, as before). Under the
-``priority`` policy a waiting sequence that finds no slot or no blocks also preempts the lowest-priority running
-sequence below its own priority (not one admitted in the same step), until it fits or none is left. With
-equal priorities every rule is the FCFS one. The policy also keeps an urgent prompt's step short: a step that
-prefills a prompt of some priority gives no prompt chunk to a lower one (unless the better prompt gets none),
-and lower priorities' prompts run in small chunks for a while after an urgent arrival (``priorities.Urgency``).
-Nothing starves: a waiting sequence is passed by at most
-``engine.priorities.MAX_OVERTAKEN`` sequences of a higher priority that arrived after it (later ones queue
-behind it), and the policy preempts a sequence at most ``MAX_POLICY_PREEMPTIONS`` times.
+preempted sequence (or one whose load failed) goes back to the front of its priority. The running sequences
+are kept in priority order too (admission order within one): a higher priority's prompt chunks come first out
+of each step's budget, and the one preempted for lack of blocks is the lowest priority not yet scheduled, the
+latest admitted among equals. Under the ``priority`` policy a waiting sequence that finds no slot or no blocks
+also preempts the lowest-priority running sequence below its own (not one admitted in the same step), and a
+better prompt's step holds lower priorities back (``priorities.Urgency``). With equal priorities every rule
+is the FCFS one. Nothing starves: a waiting sequence is passed by at most ``priorities.MAX_OVERTAKEN`` later
+arrivals of a higher priority, and the policy preempts a sequence at most ``MAX_POLICY_PREEMPTIONS`` times.
 
 A sequence whose blocks do not fit does not block the smaller ones behind it:
 it is passed over (at most ``LOOKAHEAD`` sequences are passed per step, which
@@ -52,7 +47,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_connector import FinishedLoad, KVConnector
 from engine.parallel_sampling import choice_id
-from engine.priorities import Urgency, best_prompt, in_prompt, insert_by_priority
+from engine.priorities import Urgency, in_prompt, insert_by_priority
 from engine.sequence import Sequence, SequenceStatus
 from kvstore import Block, BlockManager
 
@@ -82,7 +77,7 @@ class Scheduler:
                  priority_chunk_tokens: int = 0) -> None:  # fmt: skip
         self.block_manager = block_manager
         self.policy = policy
-        self.urgency = Urgency(priority_chunk_tokens if policy == "priority" else 0)
+        self.urgency = Urgency(policy == "priority", priority_chunk_tokens)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.connector = connector or KVConnector()
@@ -122,8 +117,9 @@ class Scheduler:
         preempted = False
         i = 0
         running = self.running
-        if running and len(running) <= budget and all(s.num_computed_tokens + 1 == s.num_tokens
-                                                      and not s.spec_token_ids for s in running):  # fmt: skip
+        self.urgency.begin_step(running, self.waiting)
+        if running and len(running) <= budget and not self.urgency.hold_decodes and all(
+                s.num_computed_tokens + 1 == s.num_tokens and not s.spec_token_ids for s in running):  # fmt: skip
             # Every running sequence decodes: one batched allocation. If one finds no block, the walk below
             # preempts exactly as it would have (the sequences before it already hold their new block).
             grown, starved = self.block_manager.allocate_decode([s.seq_id for s in running],
@@ -134,17 +130,12 @@ class Scheduler:
                 picked = [(s, 1) for s in running]
                 budget -= len(running)
                 i = len(running)
-        ahead = best_prompt(self.running, self.waiting) if self.policy == "priority" else None
-        self.urgency.begin_step()
-        held: list[Sequence] = []
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            prompt = in_prompt(seq)
-            if prompt and ahead is not None and seq.priority > ahead:
-                held.append(seq)
+            if self.urgency.hold(seq):  # (the priority policy's, for a better prompt)
                 i += 1
                 continue
-            n = (self.urgency.chunk if prompt else Sequence.num_tokens_to_compute)(seq, seq.num_computed_tokens, budget)
+            n = self.urgency.chunk(seq, seq.num_computed_tokens, budget)
             if seq.spec_token_ids and not self._allocate(seq, seq.num_computed_tokens + n):
                 seq.spec_token_ids.clear()  # no blocks for its proposals: it decodes plainly, preempting no one
                 n = seq.num_tokens_to_compute(seq.num_computed_tokens, budget)
@@ -159,8 +150,7 @@ class Scheduler:
                 budget -= n
                 i += 1
         admitted = [] if preempted else self._admit(budget, picked)
-        if held and not any(s.priority <= ahead and in_prompt(s) for s, _ in picked):
-            self._schedule_held(held, picked)  # the better prompt got no chunk: no reason to hold them
+        self._schedule_held(self.urgency.release([s for s, _ in picked]), picked)
         decodes = [(s, n) for s, n in picked if n == 1]
         prefills = [(s, n) for s, n in picked if n != 1]
         ordered = decodes + prefills
@@ -220,7 +210,7 @@ class Scheduler:
         return admitted
 
     def _schedule_held(self, held: list[Sequence], picked: list[tuple[Sequence, int]]) -> None:
-        """Give the prompt chunks held back this step what the budget has left (none preempts another)."""
+        """Give the sequences held back this step what the budget has left (none preempts another)."""
         budget = self.max_num_batched_tokens - sum(n for _, n in picked)
         for seq in held:
             n = self.urgency.chunk(seq, seq.num_computed_tokens, budget)

@@ -1,7 +1,8 @@
 """The ``priority`` policy keeps an urgent prompt's steps short (``engine.scheduler``, ``engine.priorities.Urgency``):
-a step that prefills a better priority's prompt gives lower priorities' prompts no chunk (their decodes still run),
-unless the better prompt gets none; after an arrival of the best priority, lower priorities' prompts take at most
-``priority_chunk_tokens`` of a step together, for ``URGENT_FOR_S``. Under ``fcfs`` neither applies. Blocks of 4."""
+a step that prefills a better priority's prompt runs nothing of lower priorities (their decodes sit out at most
+one step in two), unless the better prompt gets no chunk; after an arrival of the best priority, lower
+priorities' prompts take at most ``priority_chunk_tokens`` of a step together, for ``URGENT_FOR_S``. Under
+``fcfs`` neither applies. Blocks of 4."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def test_an_urgent_prompt_runs_without_lower_prompt_chunks_beside_it():
         scheduler.add(_prioritized("low", 40, 5))
         assert _run(scheduler) == [("dec", 3), ("low", 17)]
         scheduler.add(_prioritized("urgent", 8, 0))
-        if policy == "priority":  # low's prompt sits out this step; dec decodes
-            assert _run(scheduler) == [("dec", 1), ("urgent", 8)]
+        if policy == "priority":  # low's prompt and dec's decode sit out this step
+            assert _run(scheduler) == [("urgent", 8)]
             assert _run(scheduler) == [("urgent", 1), ("dec", 1), ("low", 18)]  # (running by priority)
         else:  # the running prompt's chunk first, out of the same budget
             assert _run(scheduler) == [("dec", 1), ("low", 19)]
@@ -62,7 +63,7 @@ def test_after_an_urgent_arrival_lower_prompts_share_a_small_chunk_of_each_step_
     assert _run(scheduler) == [("a", 30)]
     urgent = _prioritized("urgent", 6, 0)
     scheduler.add(urgent)
-    assert _run(scheduler) == [("a", 1), ("urgent", 6)]
+    assert _run(scheduler) == [("urgent", 6)]
     scheduler.finish(urgent, "length")
     scheduler.add(_prioritized("b", 30, 5))
     scheduler.add(_prioritized("c", 30, 5))
@@ -70,6 +71,17 @@ def test_after_an_urgent_arrival_lower_prompts_share_a_small_chunk_of_each_step_
     assert steps == [[("a", 1), ("b", 8)], [("a", 1), ("b", 8)], [("a", 1), ("b", 8)]]  # 8 a step, b's first
     clock.now += URGENT_FOR_S + 1  # the urgent request is long gone: whole steps again
     assert _run(scheduler) == [("a", 1), ("b", 6), ("c", 30)]
+
+
+def test_lower_decodes_sit_out_at_most_one_step_in_two_under_a_stream_of_urgent_prompts():
+    scheduler, _ = _scheduler("priority", budget=64)
+    scheduler.add(_prioritized("dec", 3, 5))
+    _run(scheduler)
+    ran = []
+    for i in range(6):
+        scheduler.add(_prioritized(f"u{i}", 4, 0))  # a new urgent prompt before every step
+        ran.append(any(name == "dec" for name, _ in _run(scheduler)))
+    assert ran == [False, True] * 3
 
 
 def test_without_a_cap_or_under_fcfs_lower_prompts_take_the_whole_budget():
