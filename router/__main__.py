@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from cluster_state.registry import Registry
 from engine.bundled import resolve_model
+from engine.heap import freeze_startup_heap
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 from router.limits import FrontDoor, PublicInference, front_door_from_settings
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         except OSError as err:
             parser.error(f"cannot listen on {host}:{settings.metrics_port} for /metrics: {err.strerror}")
         log.info("serving Prometheus /metrics on %s:%d", host, settings.metrics_port)
+    log.info("%d objects of start-up frozen out of garbage collection", freeze_startup_heap())
     try:
         asyncio.run(serve(router, f"{host}:{settings.port}", public, settings.drain_timeout, http, door))
     finally:

@@ -15,6 +15,7 @@ from cluster_state.publisher import PrefixPublisher
 from cluster_state.registry import Registry
 from cluster_state.workers import WorkerInfo, local_host_id
 from engine import LLMEngine
+from engine.heap import freeze_startup_heap
 from rpc import metrics, tracing
 from rpc.loop import AsyncioThread, Loop
 from rpc.server import add_service, new_server, set_not_serving, start_server
@@ -113,6 +114,8 @@ def serve(worker: Worker, services: dict[str, object], aio: AsyncioThread, secur
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    log.info("%s %s: %d objects of start-up frozen out of garbage collection", info.role, info.worker_id,
+             freeze_startup_heap())  # fmt: skip
     worker.loop.run()
     aio.run(server.stop(grace=1.0), timeout_s=10)
     worker.stop()

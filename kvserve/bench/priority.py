@@ -58,7 +58,8 @@ def run(endpoint: str, vocab: int, num_users: int, num_high: int, prompt_len: in
         pauses = [rng.uniform(0, PAUSE_S) for _ in high_prompts]
 
         def highs(prompts: list[list[int]]) -> list[float]:
-            return [time.sleep(pause) or _ttft(client, p, max_tokens, 0) for pause, p in zip(pauses, prompts)]
+            return [time.sleep(pause) or _ttft(client, p, max_tokens, 0)
+                    for pause, p in zip(pauses, prompts, strict=True)]
 
         unloaded = highs(high_prompts)
         stop, low = threading.Event(), []
