@@ -1,7 +1,7 @@
 """``freeze_startup_heap``: what a long-running process (a worker, a tensor-parallel rank, the router) does once
 started, so that Python's full garbage collections stop stalling it.
 
-A worker's heap after start-up is about a million objects (torch, transformers, the model's modules, gRPC),
+A worker's heap after start-up is about a million objects (torch, transformers, the model's modules, RPC),
 all kept for the process's life. Python's collection of its oldest generation walks every one of them: 116-124
 ms on the bundled model's decode worker here, with the GIL held, so an engine step, a stream's relay or a
 router's dispatch stalls that long whenever one runs (once the objects that survived since the last one reach a
