@@ -6,7 +6,8 @@ One decode worker behind the router (``kvserve up --prefill 0 --scheduling-polic
 Unloaded: ``--high`` requests at priority 0, one after another, each after a random pause (under
 ``PAUSE_S``, the same pauses on both sides). Loaded: ``overload x N`` users at priority 10,
 each sending its next request as soon as the last ends (``overload`` times what the worker runs at once: the
-rest wait in its queue), and meanwhile the same ``--high`` requests at priority 0, one after another. Reported:
+rest wait in its queue), and meanwhile the same ``--high`` requests at priority 0, one after another. The two
+sides alternate in two rounds (half the high-priority requests each), against this machine's drift. Reported:
 the high-priority TTFT p50 and p99 unloaded and loaded and their ratio, and the low-priority requests that
 finished with their longest end-to-end time (high-priority requests come one at a time, so a low one waits
 for at most one of them at a time: none starves).
@@ -40,44 +41,51 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(endpoint: str, vocab: int, num_users: int, num_high: int, prompt_len: int, max_tokens: int,
-        fill_s: float = 2.0) -> dict:  # fmt: skip
+        fill_s: float = 2.0, rounds: int = 2) -> dict:  # fmt: skip
     """The figures ``main`` prints, on the cluster at ``endpoint`` (``fill_s``: how long the users run before the
-    first loaded high-priority request)."""
+    first loaded high-priority request). The high-priority requests are split over ``rounds`` rounds, each
+    unloaded then loaded: this machine's speed drifts over minutes, and both sides see each moment's."""
+    from engine.heap import freeze_startup_heap
     from kvserve.client import Client
 
+    freeze_startup_heap()  # (this process holds torch too: its own full collections would count as latency)
     rng = random.Random(0)
 
     def prompt() -> list[int]:
         return [rng.randrange(100, vocab) for _ in range(prompt_len)]
 
     high_prompts = [prompt() for _ in range(num_high)]
+    # each high-priority request after a pause of its own: one sent as the last ends would arrive just after a
+    # step began (the last token ends a step), and wait for nearly all of it every time
+    pauses = [rng.uniform(0, PAUSE_S) for _ in high_prompts]
+    unloaded, loaded, low = [], [], []
     with Client(endpoint, timeout_s=600) as client:
         _ttft(client, prompt(), 2, 0)  # warm-up
-        # each high-priority request after a pause of its own: one sent as the last ends would arrive just after a
-        # step began (the last token ends a step), and wait for nearly all of it every time
-        pauses = [rng.uniform(0, PAUSE_S) for _ in high_prompts]
 
-        def highs(prompts: list[list[int]]) -> list[float]:
-            return [time.sleep(pause) or _ttft(client, p, max_tokens, 0)
-                    for pause, p in zip(pauses, prompts, strict=True)]
+        def highs(part: range, loaded_side: bool) -> list[float]:
+            return [time.sleep(pauses[i]) or _ttft(client, [7, *high_prompts[i][1:]] if loaded_side
+                                                   else high_prompts[i], max_tokens, 0)
+                    for i in part]  # (the loaded side's prompts differ in their first token: not the cached prefix)
 
-        unloaded = highs(high_prompts)
-        stop, low = threading.Event(), []
+        for r in range(rounds):
+            part = range(r * num_high // rounds, (r + 1) * num_high // rounds)
+            unloaded += highs(part, False)
+            stop = threading.Event()
 
-        def user() -> None:
-            while not stop.is_set():
-                began = time.perf_counter()
-                _ttft(client, prompt(), max_tokens, 10)
-                low.append(time.perf_counter() - began)
+            def user(stop: threading.Event = stop) -> None:
+                while not stop.is_set():
+                    began = time.perf_counter()
+                    _ttft(client, prompt(), max_tokens, 10)
+                    low.append(time.perf_counter() - began)
 
-        users = [threading.Thread(target=user) for _ in range(num_users)]
-        for thread in users:
-            thread.start()
-        time.sleep(fill_s)  # the queue fills
-        loaded = highs([[7, *p[1:]] for p in high_prompts])  # (not the cached prefix)
-        stop.set()
-        for thread in users:
-            thread.join()
+            users = [threading.Thread(target=user) for _ in range(num_users)]
+            for thread in users:
+                thread.start()
+            time.sleep(fill_s)  # the queue fills
+            loaded += highs(part, True)
+            stop.set()
+            for thread in users:
+                thread.join()
     return {"unloaded p50 ms": statistics.median(unloaded) * 1e3, "unloaded p99 ms": percentile(unloaded, 99) * 1e3,
             "loaded p50 ms": statistics.median(loaded) * 1e3, "loaded p99 ms": percentile(loaded, 99) * 1e3,
             "p99 ratio": percentile(loaded, 99) / percentile(unloaded, 99), "low finished": len(low),

@@ -37,8 +37,10 @@ def run(endpoint: str, keys: dict[str, str | None], vocab: int, num_flood: int, 
         max_tokens: int, fill_s: float = 2.0) -> dict:  # fmt: skip
     """Steady's TTFTs solo and beside ``num_flood`` flooding users, on the cluster at ``endpoint``; ``keys``: each
     tenant's API key (None: none is sent)."""
+    from engine.heap import freeze_startup_heap
     from kvserve.client import Client
 
+    freeze_startup_heap()  # (this process holds torch too: its own full collections would count as latency)
     rng = random.Random(0)
 
     def prompt() -> list[int]:
