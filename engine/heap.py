@@ -12,11 +12,15 @@ the same process). vLLM's engine core freezes its heap after loading the model f
 
 from __future__ import annotations
 
+import atexit
 import gc
 
 
 def freeze_startup_heap() -> int:
-    """Collect what start-up left as garbage, then freeze every object still alive; returns how many are frozen."""
+    """Collect what start-up left as garbage, then freeze every object still alive; returns how many are frozen.
+    They are unfrozen at exit, so that the interpreter's shutdown frees them as usual (nanobind's extensions,
+    xgrammar's, report each object still alive then as a leak)."""
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
     return gc.get_freeze_count()

@@ -22,6 +22,7 @@ import time
 import torch
 
 from engine import LLMEngine, SamplingParams
+from engine.heap import freeze_startup_heap
 
 
 def read_gbs(repeats: int = 10) -> float:
@@ -72,6 +73,7 @@ def main() -> None:
     options = dict(model="default", device="cpu", dtype="float32", num_blocks=64, max_num_seqs=4,
                    enable_prefix_caching=False, skip_tokenizer_init=True)  # fmt: skip
     engines = {"compiled": LLMEngine(compile_decode=True, **options), "eager": LLMEngine(**options)}
+    freeze_startup_heap()  # as a worker does once started (engine.heap)
     prompt = torch.randint(100, 40000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     model = engines["eager"].runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
