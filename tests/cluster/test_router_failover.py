@@ -29,6 +29,8 @@ def test_a_killed_router_loses_no_stream(tmp_path, llm):
         load = Load(c.endpoints, threads=CONCURRENCY, max_tokens=MAX_TOKENS, expected=expected)
         start = _streamed(decode)
         wait_until(lambda: _streamed(decode) >= start + 2 * CONCURRENCY, 120, "the load streaming")
+        # half the threads mid-way through a stream (each call starts on the next router: about half on this one)
+        wait_until(lambda: load.mid_stream() >= CONCURRENCY // 2, 120, "streams mid-way", interval_s=0.01)
         os.kill(c.child("router").pid, signal.SIGKILL)  # mid-way through the streams it carries
         count = load.completed
         wait_until(lambda: load.done_since(count) >= 1, 120, "a request completed after the kill")

@@ -160,6 +160,7 @@ class Load:
     def __post_init__(self) -> None:
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._received = [0] * self.threads  # tokens each thread's request in flight has received
         self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(self.threads)]
         for thread in self._threads:
             thread.start()
@@ -172,6 +173,8 @@ class Load:
                 try:
                     for chunk in client.stream(prompt, **options):
                         tokens += chunk.token_ids
+                        self._received[index] = len(tokens)
+                    self._received[index] = 0
                     with self._lock:
                         self.completed += 1
                         if self.expected is not None and tokens != self.expected[index]:
@@ -179,6 +182,10 @@ class Load:
                 except grpc.RpcError as err:
                     with self._lock:
                         self.failures.append((err.code(), len(tokens)))
+
+    def mid_stream(self) -> int:
+        """Requests in flight that have received some of their tokens, not all."""
+        return sum(0 < n < self.max_tokens for n in self._received)
 
     def done_since(self, count: int) -> int:
         with self._lock:
