@@ -15,6 +15,7 @@ from engine import SamplingParams
 from kvserve.client import Client
 
 
+@pytest.mark.soak  # 17 s; tests/engine/test_priority.py preempts for a higher priority on the real model
 def test_a_high_priority_request_overtakes_a_running_low_priority_stream(tmp_path, llm, engine_prompts):
     low_prompt, high_prompt = engine_prompts[5][:40], engine_prompts[6][:30]
     want_low, want_high = (o.token_ids for o in llm.generate(

@@ -104,12 +104,13 @@ def _cross_tp_cluster(tmp_path, engine_prompts, prefill_tp: int, decode_tp: int,
     assert "checksum" not in (tmp_path / "decode-0.log").read_text().lower()
 
 
+# on demand (make test's 15 minutes; 19 s each): both directions over the shm copy between splits, which
+# tests/unit/test_split_pool.py checks both ways: pytest -m soak tests/cluster/test_tensor_parallel.py -k hands
+@pytest.mark.soak
 def test_a_prefill_worker_at_tp2_hands_its_kv_to_a_decode_worker_at_tp1(tmp_path, engine_prompts):
     _cross_tp_cluster(tmp_path, engine_prompts, 2, 1, "shm")
 
 
-# on demand (make test's 15 minutes): the other direction over the same shm copy between splits, which
-# tests/unit/test_split_pool.py checks both ways
 @pytest.mark.soak
 def test_a_prefill_worker_at_tp1_hands_its_kv_to_a_decode_worker_at_tp2(tmp_path, engine_prompts):
     _cross_tp_cluster(tmp_path, engine_prompts, 1, 2, "shm")
