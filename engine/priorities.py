@@ -70,8 +70,8 @@ class Urgency:
     steps). So:
 
     - a step that prefills a prompt (``best_prompt``) runs no prompt chunk of a lower priority, nor its
-      decodes (which sit out one step in two at most), unless that prompt gets no chunk after all
-      (``hold``, ``release``);
+      decodes (which sit out one step in two at most), and admits no waiting prompt of a lower priority,
+      unless that prompt gets no chunk after all (``hold``, ``release``, ``admits``);
     - for ``URGENT_FOR_S`` after a request of the best priority arrived, the prompts of every lower priority
       take at most ``chunk_tokens`` of a step together (``chunk``): an urgent request waits for at most one
       such step, and its own prompt takes the step's whole budget. Without urgent arrivals nothing is capped.
@@ -109,12 +109,20 @@ class Urgency:
         self._held.append(seq)
         return True
 
+    def admits(self, seq: Sequence, scheduled: list[Sequence]) -> bool:
+        """Whether the waiting ``seq`` may start this step beside the ``scheduled``: not below a better prompt
+        that got a chunk (a prompt admitted beside it would lengthen its step as a running one would)."""
+        return self.ahead is None or seq.priority <= self.ahead or not self._ahead_runs(scheduled)
+
+    def _ahead_runs(self, scheduled: list[Sequence]) -> bool:
+        return any(seq.priority <= self.ahead and in_prompt(seq) for seq in scheduled)
+
     def release(self, scheduled: list[Sequence]) -> list[Sequence]:
         """The sequences held that run after all, once the step's others are ``scheduled``: all of them when
         the better prompt got no chunk (nothing to wait for), else none."""
         if not self._held:
             return []
-        if any(seq.priority <= self.ahead and in_prompt(seq) for seq in scheduled):
+        if self._ahead_runs(scheduled):
             self._held_decodes = any(not in_prompt(seq) for seq in self._held)
             return []
         return self._held

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.heap import freeze_startup_heap
+from engine.heap import freeze_startup_heap, keep_freed_memory
 from engine.model_config import ModelConfig
 from engine.models.attention import AttentionMetadata, RingMetadata
 from engine.models.linear import pack_for_onednn
@@ -263,6 +263,7 @@ def _rank_main(plans, path: Path, model_config: ModelConfig, config: EngineConfi
             pack_for_onednn(model)
         kv = None
         freeze_startup_heap()  # (engine.heap: a full collection would stall this rank, and every rank waiting on it)
+        keep_freed_memory()
         while True:
             try:
                 op, payload = pickle.load(plans)

@@ -15,7 +15,7 @@ from cluster_state.publisher import PrefixPublisher
 from cluster_state.registry import Registry
 from cluster_state.workers import WorkerInfo, local_host_id
 from engine import LLMEngine
-from engine.heap import freeze_startup_heap
+from engine.heap import freeze_startup_heap, keep_freed_memory
 from rpc import metrics, tracing
 from rpc.loop import AsyncioThread, Loop
 from rpc.server import add_service, new_server, set_not_serving, start_server
@@ -116,6 +116,7 @@ def serve(worker: Worker, services: dict[str, object], aio: AsyncioThread, secur
         signal.signal(sig, on_signal)
     log.info("%s %s: %d objects of start-up frozen out of garbage collection", info.role, info.worker_id,
              freeze_startup_heap())  # fmt: skip
+    keep_freed_memory()  # (engine.heap: no step faults its activations back in)
     worker.loop.run()
     aio.run(server.stop(grace=1.0), timeout_s=10)
     worker.stop()

@@ -22,7 +22,7 @@ import time
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.heap import freeze_startup_heap
+from engine.heap import freeze_startup_heap, keep_freed_memory
 
 
 def read_gbs(repeats: int = 10) -> float:
@@ -74,6 +74,7 @@ def main() -> None:
                    enable_prefix_caching=False, skip_tokenizer_init=True)  # fmt: skip
     engines = {"compiled": LLMEngine(compile_decode=True, **options), "eager": LLMEngine(**options)}
     freeze_startup_heap()  # as a worker does once started (engine.heap)
+    keep_freed_memory()
     prompt = torch.randint(100, 40000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     model = engines["eager"].runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -43,6 +43,20 @@ def test_an_urgent_prompt_runs_without_lower_prompt_chunks_beside_it():
             assert _run(scheduler) == [("dec", 1), ("low", 19)]
 
 
+def test_an_urgent_prompt_admitted_beside_free_slots_admits_no_lower_prompt_with_it():
+    """Slots and budget for all: the urgent prompt is admitted alone, the lower one waiting behind it starts the
+    step after (where a flood's requests end together, their successors were prefilled beside the urgent one)."""
+    for policy in ("priority", "fcfs"):
+        scheduler, _ = _scheduler(policy, budget=64)
+        scheduler.add(_prioritized("low", 20, 5))
+        scheduler.add(_prioritized("urgent", 8, 0))  # (queued ahead of low under either policy's order)
+        if policy == "priority":
+            assert _run(scheduler) == [("urgent", 8)]
+            assert _run(scheduler) == [("urgent", 1), ("low", 20)]
+        else:
+            assert _run(scheduler) == [("urgent", 8), ("low", 20)]
+
+
 def test_a_held_prompt_runs_when_the_better_one_gets_no_chunk():
     """Two slots, both taken; the urgent prompt may preempt neither (its peer is of its priority, and low has
     been preempted as often as the policy allows): low's prompt goes on rather than wait for nothing."""
@@ -50,8 +64,9 @@ def test_a_held_prompt_runs_when_the_better_one_gets_no_chunk():
     peer, low = _prioritized("peer", 3, 0), _prioritized("low", 40, 5)
     low.num_preemptions = MAX_POLICY_PREEMPTIONS
     scheduler.add(peer)
+    assert _run(scheduler) == [("peer", 3)]
     scheduler.add(low)
-    assert _run(scheduler) == [("peer", 3), ("low", 17)]
+    assert _run(scheduler) == [("peer", 1), ("low", 19)]
     scheduler.add(_prioritized("urgent", 8, 0))
     assert _run(scheduler) == [("peer", 1), ("low", 19)]
     assert [s.seq_id for s in scheduler.waiting] == ["urgent"]
