@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from engine.sequence import Sequence
@@ -109,12 +109,13 @@ class Urgency:
         self._held.append(seq)
         return True
 
-    def admits(self, seq: Sequence, scheduled: list[Sequence]) -> bool:
-        """Whether the waiting ``seq`` may start this step beside the ``scheduled``: not below a better prompt
-        that got a chunk (a prompt admitted beside it would lengthen its step as a running one would)."""
-        return self.ahead is None or seq.priority <= self.ahead or not self._ahead_runs(scheduled)
+    def admits(self, seq: Sequence, picked: list[tuple[Sequence, int]]) -> bool:
+        """Whether the waiting ``seq`` may start this step beside the ``picked`` (sequence, tokens): not below a
+        better prompt that got a chunk (a prompt admitted beside it would lengthen its step as a running one
+        would)."""
+        return self.ahead is None or seq.priority <= self.ahead or not self._ahead_runs(s for s, _ in picked)
 
-    def _ahead_runs(self, scheduled: list[Sequence]) -> bool:
+    def _ahead_runs(self, scheduled: Iterable[Sequence]) -> bool:
         return any(seq.priority <= self.ahead and in_prompt(seq) for seq in scheduled)
 
     def release(self, scheduled: list[Sequence]) -> list[Sequence]:

@@ -162,7 +162,7 @@ class Scheduler:
         passed: list[Sequence] = []
         while self.waiting and len(passed) < LOOKAHEAD:
             seq = self.waiting[0]
-            if not self.urgency.admits(seq, [s for s, _ in picked]):
+            if not self.urgency.admits(seq, picked):
                 break  # (lower priorities wait behind it: the queue is in priority order)
             if self._num_slots_used() >= self.max_num_seqs:
                 freed = self._make_room(seq, picked, admitted)
