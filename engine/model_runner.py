@@ -29,7 +29,7 @@ from engine.model_config import ModelConfig
 from engine.models.linear import pack_for_onednn
 from engine.models.loader import load_model
 from engine.models.tensor_parallel import Shard
-from engine.sampler import Sampler, SamplerOutput
+from engine.sampler import Sampler, SamplerOutput, argmax_decides
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.step_diagnosis import DeviceClock
@@ -182,6 +182,8 @@ class ModelRunner:
         prompt: dict[int, list[TokenLogprob]] = {}
         if decoded is not None:
             logits, sampled = decoded
+            if logits.dtype == torch.int64:  # a greedy row's token already (``CausalLM.greedy_token``)
+                return ExecutedStep([logits.tolist()], [None])
             counts = None
         else:
             step = stage_step(self.staging, seqs, batch.num_new_tokens, batch.num_decodes, self.block_size)
@@ -227,7 +229,8 @@ class ModelRunner:
 
     def _decode_padded(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
         """(logits of the sampling rows, their batch indices) of a decode-only batch padded to its bucket;
-        None when the batch must run eagerly instead."""
+        None when the batch must run eagerly instead. One sequence whose token is its logits' argmax may get
+        that token ``(1,)`` int64 instead of logits (``CausalLM.greedy_token``)."""
         inputs = self.decode_inputs
         if inputs is None or any(s.ring is not None for s in seqs):  # windows run eagerly (``stage_step``)
             return None
@@ -236,13 +239,18 @@ class ModelRunner:
             return None
         if not inputs.stage(bucket, seqs, self.block_size):
             return None
+        # A one-token prefill chunk that does not end its prompt is a "decode" that samples nothing.
+        sampled = [i for i, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
         with self.clock:
             if self.graphs is not None:
                 logits = self.graphs.replay(bucket)
+            elif sampled == [0] and len(seqs) == 1 and argmax_decides(seqs[0]):
+                input_ids, positions, meta = inputs.device_inputs(bucket)
+                hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
+                token = self.model.greedy_token(hidden)
+                logits = self.model.compute_logits(hidden) if token is None else token
             else:
                 logits = decode_forward(self.model, self.kv_cache.layers, inputs, bucket)
-        # A one-token prefill chunk that does not end its prompt is a "decode" that samples nothing.
-        sampled = [i for i, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
         if len(sampled) == len(seqs):
             return logits[: len(seqs)], sampled
         return logits[torch.tensor(sampled, dtype=torch.int64, device=self.device)], sampled

@@ -57,6 +57,13 @@ class SampledSequence(Protocol):
     def num_tokens(self) -> int: ...
 
 
+def argmax_decides(seq: SampledSequence) -> bool:
+    """Whether ``seq``'s next token is its logits' argmax and nothing else reads them: greedy, without logits
+    processing, a grammar or log-probabilities."""
+    params = seq.params
+    return params.temperature == 0 and not params.processes_logits and seq.grammar is None and params.logprobs is None
+
+
 @dataclass
 class SamplerOutput:
     """A step's draws: ``tokens (rows,)`` int64 on the device, and their ``logprobs`` when a row asked."""

@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/decode_floor.py [--prompt-len 256] [--steps 48] [--rounds 4]
 
-The floor is the bytes a decode step must read (every weight once, and the sequence's KV) divided by this
+The floor is the bytes a decode step must read (every float32 weight once, and the sequence's KV; the compiled
+greedy step reads the LM head's bfloat16 copy instead, and the floor of those bytes is printed too) over this
 host's read bandwidth, measured here as ``torch.sum`` over a 256 MiB float32 tensor on every thread (a
 STREAM-style read, the median of ten). Two engines on the bundled model, one with ``compile_decode`` and one
 without, decode the same greedy prompt; rounds alternate which goes first, against this machine's drift, and
@@ -106,6 +107,15 @@ def main() -> None:
             f"{name:>9}: {ms:.1f} ms a token (rounds: {' '.join(f'{t:.1f}' for t in runs)}), "
             f"{statistics.median(ratios[name]):.2f}x its moment's floor (rounds: "
             f"{' '.join(f'{x:.2f}' for x in ratios[name])}), {weight_bytes / ms / 1e6:.1f} GB/s of weights"
+        )
+    greedy = engines["compiled"].runner.model.compiled.greedy
+    if greedy is not None:  # the float32 head's bytes are the floor's; the step reads its bfloat16 copy
+        head = greedy.weight
+        read_bytes = weight_bytes - head.numel() * (head.element_size() - greedy.shadow.element_size())
+        own = statistics.median(ratios["compiled"]) * (weight_bytes + kv_bytes) / (read_bytes + kv_bytes)
+        print(
+            f"the compiled greedy step reads the LM head in bfloat16 (GreedyHead): {read_bytes / 1e6:.0f} MB of "
+            f"weights, {own:.2f}x the floor of what it reads"
         )
     read_ms = statistics.median(reads)
     print(

@@ -232,3 +232,11 @@ class CausalLM(nn.Module):
         if self.compiled is not None and hidden.shape[0] == 1 and hidden.device.type == "cpu":
             return self.compiled.logits(self, dense(hidden))
         return head_logits(self, hidden)
+
+    def greedy_token(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``compute_logits(hidden).argmax(-1)`` for one row of a compiled decode (``compiled_decode.GreedyHead``:
+        half the LM head's bytes); None where that does not apply, or decides nothing (the caller takes logits)."""
+        if (self.compiled is None or self.compiled.greedy is None or hidden.shape[0] != 1
+                or hidden.device.type != "cpu"):  # fmt: skip
+            return None
+        return self.compiled.greedy(dense(hidden))

@@ -11,8 +11,10 @@ import pytest
 import torch
 from engine_testing import BLOCK_SIZE, greedy
 from torch._dynamo.utils import counters
+from torch._inductor import cpu_vec_isa
 
 from engine import LLMEngine
+from engine.models.compiled_decode import GreedyHead, cache_per_instruction_set, head_logits
 
 
 @pytest.fixture(scope="module")
@@ -34,20 +36,58 @@ def test_one_sequence_decodes_compiled_and_gives_transformers_tokens(engine, eng
     compiled = engine.runner.model.compiled
     assert compiled is not None and compiled.compile_s > 0
     frames = counters["stats"]["unique_graphs"]
-    calls, heads = [], []
-    real_layer, real_logits = compiled.layer, compiled.logits
+    calls, heads, greedy_heads = [], [], []
+    real_layer, real_logits, real_greedy = compiled.layer, compiled.logits, compiled.greedy
     compiled.layer = lambda *args: calls.append(1) or real_layer(*args)
     compiled.logits = lambda *args: heads.append(1) or real_logits(*args)
+    compiled.greedy = lambda *args: greedy_heads.append(1) or real_greedy(*args)
     try:
         for prompt, want in zip(engine_prompts, hf_greedy, strict=True):
             assert _run_alone(engine, prompt) == want, f"prompt of {len(prompt)} tokens"
     finally:
-        compiled.layer, compiled.logits = real_layer, real_logits
+        compiled.layer, compiled.logits, compiled.greedy = real_layer, real_logits, real_greedy
     layers = engine.model_config.num_layers
     decode_steps = sum(len(w) - 1 for w in hf_greedy)  # (each first token comes from the prefill)
     assert len(calls) == decode_steps * layers  # every decode step ran compiled
-    assert len(heads) == sum(len(w) for w in hf_greedy)  # every token's logits too, the prefill's first included
+    assert len(greedy_heads) == decode_steps  # each decode step's token through the bfloat16 head
+    assert len(heads) == len(hf_greedy)  # the prefills' first tokens through the compiled float32 head
     assert counters["stats"]["unique_graphs"] == frames, "a decode step compiled again after the start"
+
+
+def test_the_bfloat16_head_takes_the_float32_argmax_where_bfloat16_rounding_reverses_two_rows(engine):
+    """``GreedyHead``: rows a and b of a copy of the bundled head nearly tie for a hidden state that only they
+    answer strongly. Rounded to bfloat16, b's logit is the larger; in float32 a's is. The head must pick a, as
+    the float32 logits do; without its margins it would pick b (and it still must pick the same token as the
+    float32 head on real hidden states)."""
+    compiled = engine.runner.model.compiled
+    weight = compiled.greedy.weight.clone()
+    a, b, ulp = 100, 200, 2.0**-7  # (bfloat16's spacing just above 1)
+    weight[a, :2] = torch.tensor([1 + 0.49 * ulp, 1 + 0.49 * ulp])  # rounds to (1, 1): 2 against 2 + 0.98 ulp
+    weight[b, :2] = torch.tensor([1 + 0.51 * ulp, 1 - 0.05 * ulp])  # rounds to (1 + ulp, 1): 2 + ulp, 2 + 0.46 ulp
+    hidden = torch.zeros(1, weight.shape[1])
+    hidden[0, :2] = 100.0
+    head = GreedyHead(weight)
+    with torch.inference_mode():
+        exact = weight @ hidden[0]
+        assert int(exact.argmax()) == a
+        assert int((head.shadow.float() @ hidden[0]).argmax()) == b  # (what bfloat16 alone would pick)
+        assert int(head(hidden)) == a
+        torch.manual_seed(0)
+        for _ in range(20):  # the real head, on hidden states of the bundled model's scale
+            hidden = torch.randn(1, weight.shape[1]) * 2
+            assert int(compiled.greedy(hidden)) == int(head_logits(engine.runner.model, hidden).argmax())
+
+
+def test_a_row_that_asks_log_probabilities_reads_the_float32_logits(engine, engine_prompts, hf_greedy, monkeypatch):
+    def refuse(*args):
+        raise AssertionError("the bfloat16 head decided a token whose log-probabilities were asked")
+
+    monkeypatch.setattr(engine.runner.model.compiled, "greedy", refuse)
+    engine.add_request(engine_prompts[0], greedy(logprobs=1))
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens = next((o.token_ids for o in engine.step() if o.finished), tokens)
+    assert tokens == hf_greedy[0]
 
 
 def test_decode_steps_run_the_compiled_code_past_dynamos_guards(engine, engine_prompts):
@@ -71,8 +111,29 @@ def test_a_batch_of_several_decodes_eagerly_with_the_same_tokens(engine, engine_
 
     monkeypatch.setattr(engine.runner.model.compiled, "layer", refuse)
     monkeypatch.setattr(engine.runner.model.compiled, "logits", refuse)
+    monkeypatch.setattr(engine.runner.model.compiled, "greedy", refuse)
     ids = [engine.add_request(p, greedy()) for p in engine_prompts[:4]]
     done = {}
     while engine.has_unfinished_requests():
         done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
     assert [done[i] for i in ids] == hf_greedy[:4]
+
+
+def test_each_instruction_set_compiles_into_a_directory_of_its_own(tmp_path, monkeypatch):
+    """``cache_per_instruction_set``: inductor's cache keys leave the instruction set out. A process with
+    ``ATEN_CPU_CAPABILITY=avx2`` that shared the cache of AVX-512 processes loaded their compiled decode step
+    and gave token 0 at every step (and a small graph compiled in the other order corrupted the heap)."""
+    if not cpu_vec_isa.valid_vec_isa_list():
+        pytest.skip("inductor vectorizes for no instruction set on this CPU")
+    directories = []
+    for capability in ("default", None):  # no vector instructions, then this CPU's best
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+        if capability is None:
+            monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+        else:
+            monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+        directory = cache_per_instruction_set()
+        assert directory.is_dir() and directory.parent == tmp_path
+        assert cache_per_instruction_set() == directory  # a second engine in the process: not nested again
+        directories.append(directory.name)
+    assert directories[0] != directories[1], directories
