@@ -5,6 +5,10 @@ time; replaying a captured graph launches them all at once. A graph fixes its te
 shapes, so each bucket's graph reads its inputs from ``PaddedDecodeInputs``' fixed views and the batch is
 padded up to the bucket. Capture runs largest bucket first with one shared memory pool: every smaller graph
 fits in the memory the largest one's activations already took. Sampling stays outside the graphs.
+
+Under tensor parallelism every rank captures its own graphs of its part, in step with the others, so each
+graph holds its rank's all-reduces and the logits' gather (NCCL collectives are captured like kernels); rank 0
+sends each step's staged inputs to the ranks before it replays (``engine.tensor_parallel_decode``).
 """
 
 from __future__ import annotations
@@ -54,15 +58,17 @@ class DecodeGraphs:
             # Padding rows only: nothing is stored in the pool and attention reads no KV.
             inputs.stage_padding(bucket)
             # Warm-up outside capture: Triton compiles its kernels and cuBLAS picks its own before recording.
-            logits = decode_forward(model, kv_layers, inputs, bucket)
-            if self._logits is None:
+            logits = decode_forward(model, kv_layers, inputs, bucket)  # (None on tensor-parallel ranks 1..)
+            if self._logits is None and logits is not None:
                 self._logits = torch.empty_like(logits)
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 # One logits buffer for all graphs: each graph's own output would stay allocated for good
                 # (at 256 rows of a 152k vocabulary that is 150 MiB per bucket); the copy costs microseconds.
-                self._logits[:bucket].copy_(decode_forward(model, kv_layers, inputs, bucket))
+                logits = decode_forward(model, kv_layers, inputs, bucket)
+                if logits is not None:
+                    self._logits[:bucket].copy_(logits)
             self._graphs[bucket] = graph
         torch.cuda.synchronize(device)
         self.capture_s = time.perf_counter() - began
@@ -74,7 +80,8 @@ class DecodeGraphs:
         return (f"captured {len(buckets)} decode CUDA graphs (batch {buckets[0]}..{buckets[-1]}) in "
                 f"{self.capture_s:.1f} s, {self.memory_bytes / 2**20:.0f} MiB of GPU memory")  # fmt: skip
 
-    def replay(self, bucket: int) -> torch.Tensor:
-        """Run ``bucket``'s graph; its logits ``(bucket, vocab)``, overwritten by the next replay."""
+    def replay(self, bucket: int) -> torch.Tensor | None:
+        """Run ``bucket``'s graph; its logits ``(bucket, vocab)``, overwritten by the next replay (None on a
+        tensor-parallel rank other than 0, whose logits rank 0 gathered)."""
         self._graphs[bucket].replay()
-        return self._logits[:bucket]
+        return None if self._logits is None else self._logits[:bucket]

@@ -265,6 +265,19 @@ class PaddedDecodeInputs:
         self.buffer.send(nbytes)
         return True
 
+    def host_arrays(self, bucket: int) -> dict[str, np.ndarray]:
+        """Copies of what ``stage`` last wrote for ``bucket``: another rank stages them (``stage_arrays``)."""
+        host, _, _ = self._layouts[bucket]
+        return {name: array.copy() for name, array in host.items()}
+
+    def stage_arrays(self, bucket: int, arrays: dict[str, np.ndarray]) -> None:
+        """Write ``bucket`` as another rank's ``host_arrays`` give it, and send it."""
+        host, _, nbytes = self._layouts[bucket]
+        self.buffer.wait_sent()
+        for name, array in host.items():
+            array[...] = arrays[name]
+        self.buffer.send(nbytes)
+
     def stage_padding(self, bucket: int) -> None:
         """Fill ``bucket`` with padding rows only (for warm-up and capture) and send it."""
         host, _, nbytes = self._layouts[bucket]

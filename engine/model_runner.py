@@ -33,6 +33,7 @@ from engine.sampler import Sampler, SamplerOutput, argmax_decides
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.step_diagnosis import DeviceClock
+from engine.tensor_parallel_decode import ShardedDecode
 from engine.tensor_parallel_ranks import Ranks, ShardedModel, kv_spec
 from kvkernels import cpu_decode
 from kvstore import KVCache
@@ -133,13 +134,16 @@ class ModelRunner:
         self.staging = StagingBuffer(_INITIAL_STAGING_BYTES, self.device)
         self._tokens_host = self._pinned_tokens(config.max_num_seqs)  # sampled ids come back here
         self.decode_inputs: PaddedDecodeInputs | None = None
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: DecodeGraphs | ShardedDecode | None = None  # (either replays a staged bucket)
         if not config.enforce_eager:
             buckets = decode_buckets(config.max_num_seqs, config.max_num_batched_tokens)
             max_blocks_per_seq = -(-self.max_model_len // config.block_size)
             self.decode_inputs = PaddedDecodeInputs(buckets, max_blocks_per_seq, self.device)
-            if self.device.type == "cuda" and self.ranks is None:  # (tensor parallel: eager, for now)
-                with torch.inference_mode():
+            with torch.inference_mode():
+                if self.ranks is not None:  # every rank's graphs (eager steps on the CPU), in step
+                    self.graphs = ShardedDecode(self.model.part, shard, self.ranks, self.kv_cache.layers,
+                                                self.decode_inputs, self.device)  # fmt: skip
+                elif self.device.type == "cuda":
                     self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.decode_inputs, self.device)
 
     def _allocate_ranks(self, config: EngineConfig, num_blocks: int) -> SplitPool | None:

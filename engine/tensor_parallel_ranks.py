@@ -7,7 +7,8 @@ Rank 0's model is a ``ShardedModel``: each call the runner makes on it is first 
 standard input (a step's inputs and attention metadata for a forward pass; the hidden rows for the LM head),
 then run on rank 0's part; the collectives inside (two all-reduces a layer, the logits' gather) pair the ranks up.
 Nothing but the plans crosses the pipes, and nothing but sums and logits the process group (gloo on the CPU,
-NCCL on CUDA, one GPU per rank).
+NCCL on CUDA, one GPU per rank). Padded decode steps go through ``engine.tensor_parallel_decode`` instead: each
+rank replays CUDA graphs of its own, from the staged inputs rank 0 sends.
 
 Failure: a rank that cannot join the group within ``tensor_parallel_timeout_s`` fails the engine's start; a
 collective that waits longer than that (a rank hung or gone) raises in the step; a rank whose engine process
@@ -37,6 +38,7 @@ from engine.models.linear import pack_for_onednn
 from engine.models.loader import load_model
 from engine.models.model import CausalLM
 from engine.models.tensor_parallel import Group, RankLost, Shard, gather_logits
+from engine.tensor_parallel_decode import rank_decode_steps, run_rank_step
 from kvstore import KVCache, KVCacheSpec
 from kvstore.block_copier import BlockCopier
 from kvstore.host_tier import HostTier
@@ -296,6 +298,10 @@ def _rank_main(plans, path: Path, model_config: ModelConfig, config: EngineConfi
                 model(input_ids, positions, kv.layers, meta)
             elif op == "logits":
                 gather_logits(group, model.compute_logits(_from_host(payload, device)), shard)
+            elif op == "decode_steps":  # (engine.tensor_parallel_decode: CUDA graphs captured in step with rank 0)
+                decode = rank_decode_steps(model, shard, kv.layers, *payload, device)
+            elif op == "decode":
+                run_rank_step(decode, *payload)
 
 
 

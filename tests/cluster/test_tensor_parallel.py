@@ -32,7 +32,13 @@ def test_two_ranks_give_one_devices_greedy_tokens_in_mixed_batches(split, engine
     prompts = [engine_prompts[i][:n] for i, n in ((0, 7), (1, 30), (2, 55), (3, 18))]  # prefills in 40-token chunks
     one = LLM("default", num_blocks=96, max_num_batched_tokens=40)
     single = one.generate(prompts, PARAMS)
-    ties = assert_same_greedy(single, split.generate(prompts, PARAMS))
+    buckets, replay = [], runner.graphs.replay  # (engine.tensor_parallel_decode: each rank stages rank 0's bucket)
+    runner.graphs.replay = lambda bucket: buckets.append(bucket) or replay(bucket)
+    try:
+        ties = assert_same_greedy(single, split.generate(prompts, PARAMS))
+    finally:
+        runner.graphs.replay = replay
+    assert 4 in buckets, buckets  # the decode-only steps of the four sequences ran padded
     assert not ties, ties  # (none on these prompts; a tie would be reported, not failed)
     # and again from the prefix cache, whose blocks every rank holds its heads of
     again, want = split.generate(prompts[1:3], PARAMS), one.generate(prompts[1:3], PARAMS)
