@@ -59,6 +59,7 @@ class PoolOffer:
     cuda_ipc_handle: bytes = b""
     kv_heads: str = ""  # heads of each part when split over tensor-parallel ranks ("2,1"); '' for one part
     part_shm_paths: tuple[str, ...] = ()  # the files of parts 1.. (``shm_path`` is part 0's)
+    part_cuda_ipc_handles: tuple[bytes, ...] = ()  # the exported pools of parts 1.. (each rank's own)
 
 
 class RemotePrefillConnector(KVConnector):
@@ -145,7 +146,9 @@ class RemotePrefillConnector(KVConnector):
                                 num_blocks=pool.num_blocks, cuda_ipc_handle=pool.cuda_ipc_handle,
                                 cached_block_ids=offered, nixl_metadata=nixl.metadata if nixl else b"",
                                 nixl_pool=nixl.pool if nixl else "", kv_heads=pool.kv_heads,
-                                part_shm_paths=pool.part_shm_paths if backend == Backend.SHM else ())  # fmt: skip
+                                part_shm_paths=pool.part_shm_paths if backend == Backend.SHM else (),
+                                part_cuda_ipc_handles=pool.part_cuda_ipc_handles if backend == Backend.CUDA_IPC
+                                else ())  # fmt: skip
         self.prefills.start(req, target, dest, timeout)
         req.future.add_done_callback(lambda _: self.wake())
 

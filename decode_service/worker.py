@@ -43,6 +43,7 @@ from decode_service.remote_prefill import PoolOffer, RemotePrefillConnector
 from decode_service.request import ActiveRequest, Admission, RequestState, validate_decode_request
 from engine import LLMEngine, RequestOutput
 from engine.outputs import StepError
+from kvstore.ipc_pool import export_cuda_ipc
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
 from rpc import tracing
@@ -50,7 +51,6 @@ from rpc.compute_lease import ComputeLease
 from rpc.loop import AsyncioThread, Loop
 from security.auth import Security
 from transfer.backend import Backend, Endpoint, nixl_installed
-from transfer.cuda_ipc import export_cuda_ipc
 from transfer.grpc_stream import KVReceiver
 from transfer.nixl_agent import NixlOffer
 
@@ -69,25 +69,24 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         runner = engine.runner
         self.fingerprint = engine.prefix_salt  # the KV layout, of all heads (the same for every TP size)
         # Tensor parallel: a prefill worker writes each rank's part its heads (``kvstore.split_pool``), through
-        # the part files (shm), our receiver (grpc) or our NIXL agent, which registers every part; CUDA IPC
-        # reaches an unsplit pool only. Under NCCL ranks this process cannot reach the other parts at all: every
-        # prompt is prefilled here.
-        split = engine.config.tensor_parallel_size > 1
+        # the part files (shm) or each rank's exported pool (cuda_ipc), our receiver (grpc) or our NIXL agent,
+        # which registers every part of a CPU worker's pool (a GPU rank's part is opened here through CUDA IPC,
+        # and NIXL is not asked to register such memory)
         whole = runner.kv_pool
-        if kv_transport == Backend.NIXL and (whole is None or not nixl_installed()):
+        nixl_reaches = engine.config.tensor_parallel_size == 1 or runner.device.type == "cpu"
+        if kv_transport == Backend.NIXL and not (nixl_reaches and nixl_installed()):
             raise RuntimeError("--kv-transport nixl needs NIXL (pip install 'kvserve[nixl]') and, split over "
                                "ranks, a CPU worker")  # fmt: skip
         eager = kv_transport == Backend.NIXL
-        self.nixl = NixlOffer(whole, worker_id, eager) if nixl_installed() and whole is not None else None
+        self.nixl = NixlOffer(whole, worker_id, eager) if nixl_installed() and nixl_reaches else None
         self.endpoint = Endpoint(local_host_id(), str(runner.device), bool(shm_path),
                                  frozenset([Backend.NIXL] if self.nixl else []))  # fmt: skip
-        ipc = export_cuda_ipc(runner.kv_cache) if runner.device.type == "cuda" and not split else b""
+        ipc = export_cuda_ipc(runner.kv_cache) if runner.device.type == "cuda" else b""
         self.kv_heads = runner.kv_heads  # advertised: what each rank holds
         parts = [str(p) for p in runner.kv_part_paths] if shm_path else []
         pool = PoolOffer(worker_id, address, self.fingerprint, self.endpoint, runner.num_blocks, shm_path, ipc,
-                         self.kv_heads if whole is not None else "", tuple(parts))  # fmt: skip
-        self.prefills = PrefillClient(aio, security, worker_id, self.fingerprint,
-                                      registry if whole is not None else None, prefill_timeout_s,
+                         self.kv_heads, tuple(parts), tuple(runner.kv_part_handles))  # fmt: skip
+        self.prefills = PrefillClient(aio, security, worker_id, self.fingerprint, registry, prefill_timeout_s,
                                       prefill_ms_per_token)  # fmt: skip
         self.receiver = KVReceiver(whole, self.fingerprint, self.lease_holder)
         self.quarantine = Quarantine(engine.block_manager, self.prefills)

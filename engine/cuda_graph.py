@@ -8,7 +8,7 @@ fits in the memory the largest one's activations already took. Sampling stays ou
 
 Under tensor parallelism every rank captures its own graphs of its part, in step with the others, so each
 graph holds its rank's all-reduces and the logits' gather (NCCL collectives are captured like kernels); rank 0
-sends each step's staged inputs to the ranks before it replays (``engine.tensor_parallel_decode``).
+sends each step's staged inputs to the ranks before it replays (``engine.tensor_parallel_model.ShardedDecode``).
 """
 
 from __future__ import annotations

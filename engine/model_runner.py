@@ -33,8 +33,8 @@ from engine.sampler import Sampler, SamplerOutput, argmax_decides
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.step_diagnosis import DeviceClock
-from engine.tensor_parallel_decode import ShardedDecode
-from engine.tensor_parallel_ranks import Ranks, ShardedModel, kv_spec
+from engine.tensor_parallel_model import ShardedDecode, ShardedModel
+from engine.tensor_parallel_ranks import Ranks, kv_spec
 from kvkernels import cpu_decode
 from kvstore import KVCache
 from kvstore.private_dir import private_dir
@@ -100,9 +100,10 @@ class ModelRunner:
             self.kv_cache, self.kv_pool_path = create_shared_pool(self.kv_spec, num_blocks, config.shared_kv_name)
         else:
             self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
-        # The whole pool as this process reaches it (``kvstore.split_pool``): on the CPU every rank's part is a
-        # pool file mapped here too, so that a worker's KV hand-off moves all heads; None under NCCL ranks
-        self.kv_pool: SplitPool | None = SplitPool([self.kv_cache])
+        # The whole pool as this process reaches it (``kvstore.split_pool``): every rank's part is a pool file
+        # mapped here too on the CPU, opened here through CUDA IPC on a GPU, so a worker's hand-off moves all heads
+        self.kv_part_handles: list[bytes] = []  # on CUDA, the exported pools of ranks 1..
+        self.kv_pool = SplitPool([self.kv_cache])
         if self.ranks is not None:
             self.kv_pool = self._allocate_ranks(config, num_blocks)
         if self.device.type == "cpu":
@@ -146,13 +147,12 @@ class ModelRunner:
                 elif self.device.type == "cuda":
                     self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.decode_inputs, self.device)
 
-    def _allocate_ranks(self, config: EngineConfig, num_blocks: int) -> SplitPool | None:
+    def _allocate_ranks(self, config: EngineConfig, num_blocks: int) -> SplitPool:
         """Every rank's part of the pool: on the CPU in pool files this process maps too, kept while the pool is
         shared (our part is a file: prefill workers map them all), removed at once otherwise; on CUDA in each
-        rank's GPU (None: this process sees its own part only)."""
+        rank's GPU, exported to this process through CUDA IPC (``kv_part_handles``: prefill workers open them)."""
         parts, paths = self.ranks.allocate(num_blocks, config.shared_kv_name or "engine")
-        if not parts:
-            return None
+        self.kv_part_handles = self.ranks.part_handles
         if self.kv_pool_path is None:  # nobody else maps them: the mappings hold the memory from now on
             for path in paths:
                 path.unlink(missing_ok=True)

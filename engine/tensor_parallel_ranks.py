@@ -3,12 +3,13 @@ workers: rank 0 is the engine's own process (scheduler, block tables, sampling, 
 and ranks 1.. are processes it starts, each holding its part of the weights (``engine.models.tensor_parallel``)
 and of the KV pool: its KV heads of the same blocks, so that one block table serves every rank.
 
-Rank 0's model is a ``ShardedModel``: each call the runner makes on it is first sent to every rank down its
-standard input (a step's inputs and attention metadata for a forward pass; the hidden rows for the LM head),
-then run on rank 0's part; the collectives inside (two all-reduces a layer, the logits' gather) pair the ranks up.
-Nothing but the plans crosses the pipes, and nothing but sums and logits the process group (gloo on the CPU,
-NCCL on CUDA, one GPU per rank). Padded decode steps go through ``engine.tensor_parallel_decode`` instead: each
-rank replays CUDA graphs of its own, from the staged inputs rank 0 sends.
+Rank 0's model is a ``ShardedModel`` (``engine.tensor_parallel_model``): each call the runner makes on it is
+first sent to every rank down its standard input (a step's inputs and attention metadata for a forward pass;
+the hidden rows for the LM head), then run on rank 0's part; the collectives inside (two all-reduces a layer,
+the logits' gather) pair the ranks up. Nothing but the plans crosses the pipes, and nothing but sums and
+logits the process group (gloo on the CPU, NCCL on CUDA, one GPU per rank). Padded decode steps go through
+``ShardedDecode`` instead: each rank replays CUDA graphs of its own, from the staged inputs rank 0 sends. On
+CUDA each rank exports its part of the KV pool to rank 0 through CUDA IPC, as the CPU's ranks share files.
 
 Failure: a rank that cannot join the group within ``tensor_parallel_timeout_s`` fails the engine's start; a
 collective that waits longer than that (a rank hung or gone) raises in the step; a rank whose engine process
@@ -17,7 +18,6 @@ is gone exits (its standard input ends).
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import os
@@ -33,15 +33,14 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.heap import freeze_startup_heap, keep_freed_memory
 from engine.model_config import ModelConfig
-from engine.models.attention import AttentionMetadata, RingMetadata
 from engine.models.linear import pack_for_onednn
 from engine.models.loader import load_model
-from engine.models.model import CausalLM
 from engine.models.tensor_parallel import Group, RankLost, Shard, gather_logits
-from engine.tensor_parallel_decode import rank_decode_steps, run_rank_step
+from engine.tensor_parallel_model import from_host, rank_decode_steps, run_rank_step
 from kvstore import KVCache, KVCacheSpec
 from kvstore.block_copier import BlockCopier
 from kvstore.host_tier import HostTier
+from kvstore.ipc_pool import export_cuda_ipc, handle_from_tensor, handle_to_tensor, open_cuda_ipc_pool
 from kvstore.shared_pool import create_part_files, map_pool_file
 
 log = logging.getLogger(__name__)
@@ -69,27 +68,6 @@ def kv_spec(config: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> KV
                        block_size=engine.block_size, dtype=dtype, kv_cache_dtype=engine.kv_cache_dtype)  # fmt: skip
 
 
-# -- plans: what crosses the pipes (host arrays, not tensors: a tensor would travel as a shared-memory file) --
-
-
-def _to_host(value):
-    if isinstance(value, torch.Tensor):
-        return ("tensor", value.cpu().numpy())
-    if isinstance(value, (AttentionMetadata, RingMetadata)):
-        return ("meta", type(value).__name__, {f.name: _to_host(getattr(value, f.name))
-                                               for f in dataclasses.fields(value)})  # fmt: skip
-    return ("value", value)
-
-
-def _from_host(value, device: torch.device):
-    if value[0] == "tensor":
-        return torch.from_numpy(value[1]).to(device)
-    if value[0] == "meta":
-        kind = {"AttentionMetadata": AttentionMetadata, "RingMetadata": RingMetadata}[value[1]]
-        return kind(**{name: _from_host(v, device) for name, v in value[2].items()})
-    return value[1]
-
-
 # -- rank 0 ------------------------------------------------------------------------------------------------
 
 
@@ -102,7 +80,8 @@ class Ranks:
     def __init__(self, path: Path, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype,
                  device: torch.device) -> None:  # fmt: skip
         self.size = config.tensor_parallel_size
-        self.on_cpu = device.type == "cpu"
+        self.on_cpu, self.device = device.type == "cpu", device
+        self.part_handles: list[bytes] = []  # on CUDA, the exported KV pools of ranks 1.. (``allocate``)
         self.specs = [kv_spec(Shard.of(model_config, rank, self.size).config(), config, dtype)
                       for rank in range(1, self.size)]  # the KV pools of ranks 1..  # fmt: skip
         port = _free_port()
@@ -131,11 +110,18 @@ class Ranks:
         process.stdin.flush()
 
     def allocate(self, num_blocks: int, name: str) -> tuple[list[KVCache], list[Path]]:
-        """Every rank allocates its part of a pool of ``num_blocks`` blocks (rank 0 chose the number). On the CPU
-        each in a pool file named for ``name`` (``create_part_files``) that this process maps too: returns those
-        parts and their files, which the caller removes once nobody else will map them. On CUDA each in its own
-        GPU, out of this process's reach: ``([], [])``."""
-        return self._parts("allocate", num_blocks, name)
+        """Every rank allocates its part of a pool of ``num_blocks`` blocks (rank 0 chose the number) and returns
+        those parts as this process reaches them, and their files. On the CPU each in a pool file named for
+        ``name`` (``create_part_files``) that this process maps too; the caller removes the files once nobody
+        else will map them. On CUDA each in its own GPU, exported through CUDA IPC (``part_handles``, gathered
+        to this process, which opens them: ``kvstore.ipc_pool``); no files."""
+        if self.on_cpu:
+            return self._parts("allocate", num_blocks, name)
+        self.send("allocate", (num_blocks, []))
+        gathered = self.group.gather(handle_to_tensor(b"", self.device))  # (rank 0's own is not needed)
+        self.part_handles = [handle_from_tensor(t) for t in gathered[1:]]
+        return [open_cuda_ipc_pool(spec, num_blocks, handle)
+                for spec, handle in zip(self.specs, self.part_handles, strict=True)], []  # fmt: skip
 
     def host_tier(self, num_slots: int, copier: BlockCopier, name: str) -> tuple[ShardedCopier, list[KVCache]]:
         """Every rank keeps a host tier of ``num_slots`` slots for its heads, on the CPU in a pool file this process
@@ -222,26 +208,6 @@ class ShardedCopier:
             self._unsynced = False
 
 
-class ShardedModel:
-    """Rank 0's model under tensor parallelism: what the runner calls is sent to every rank, then run on rank
-    0's part; ``compute_logits`` returns the whole vocabulary's logits, gathered. Anything else (``config``,
-    ``modules``) is rank 0's part's."""
-
-    def __init__(self, part: CausalLM, shard: Shard, ranks: Ranks) -> None:
-        self.part, self.shard, self.ranks = part, shard, ranks
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_layers, meta: AttentionMetadata):
-        self.ranks.send("forward", tuple(_to_host(v) for v in (input_ids, positions, meta)))
-        return self.part(input_ids, positions, kv_layers, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.ranks.send("logits", _to_host(hidden))
-        return gather_logits(self.part.group, self.part.compute_logits(hidden), self.shard)
-
-    def __getattr__(self, name: str):
-        return getattr(self.part, name)
-
-
 # -- ranks 1.. ---------------------------------------------------------------------------------------------
 
 
@@ -277,7 +243,10 @@ def _rank_main(plans, path: Path, model_config: ModelConfig, config: EngineConfi
                 num_blocks, paths = payload
                 spec = kv_spec(shard.config(), config, dtype)
                 kv = map_pool_file(spec, num_blocks, paths[rank - 1]) if paths else KVCache(spec, num_blocks, device)
-                group.barrier()
+                if device.type == "cuda":  # rank 0 opens our part through CUDA IPC (``Ranks.allocate``)
+                    group.gather(handle_to_tensor(export_cuda_ipc(kv), device))
+                else:
+                    group.barrier()
             elif op == "host_tier":
                 num_slots, paths = payload
                 mapped = map_pool_file(kv.spec, num_slots, paths[rank - 1]) if paths else None
@@ -294,11 +263,11 @@ def _rank_main(plans, path: Path, model_config: ModelConfig, config: EngineConfi
                 copier.to_device(host.views, payload[0], kv.layers, payload[1])
                 copier.wait_for_copies()
             elif op == "forward":
-                input_ids, positions, meta = (_from_host(v, device) for v in payload)
+                input_ids, positions, meta = (from_host(v, device) for v in payload)
                 model(input_ids, positions, kv.layers, meta)
             elif op == "logits":
-                gather_logits(group, model.compute_logits(_from_host(payload, device)), shard)
-            elif op == "decode_steps":  # (engine.tensor_parallel_decode: CUDA graphs captured in step with rank 0)
+                gather_logits(group, model.compute_logits(from_host(payload, device)), shard)
+            elif op == "decode_steps":  # (engine.tensor_parallel_model: CUDA graphs captured in step with rank 0)
                 decode = rank_decode_steps(model, shard, kv.layers, *payload, device)
             elif op == "decode":
                 run_rank_step(decode, *payload)

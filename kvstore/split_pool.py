@@ -116,8 +116,9 @@ def copy_blocks(src: SplitPool, src_blocks: list[int], dst: SplitPool, dst_block
         raise ValueError(f"copying {len(src_blocks)} blocks into {len(dst_blocks)}")
     if src.spec != dst.spec:
         raise ValueError(f"KV layouts differ: {src.spec} against {dst.spec}")
-    src_index = torch.tensor(src_blocks, device=src.device)
-    dst_index = torch.tensor(dst_blocks, device=dst.device)
+    # each part's ids on its own device (on a GPU, the ranks' parts are on theirs: ``kvstore.ipc_pool``)
+    src_index = [torch.tensor(src_blocks, device=part.buffer.device) for part in src.parts]
+    dst_index = [torch.tensor(dst_blocks, device=part.buffer.device) for part in dst.parts]
     pairs = _overlaps(src, dst)
     for layer in range(src.spec.num_layers):
         if until is not None and time.monotonic() >= until:
@@ -130,5 +131,5 @@ def copy_blocks(src: SplitPool, src_blocks: list[int], dst: SplitPool, dst_block
                 target = getattr(dst.parts[j].layers[layer], name)
                 if n != src.heads[i] or n != dst.heads[j]:  # (heads are dim 2 of every region)
                     source, target = source[:, :, s_at : s_at + n], target[:, :, d_at : d_at + n]
-                target.index_copy_(0, dst_index, source.index_select(0, src_index).to(target.device))
+                target.index_copy_(0, dst_index[j], source.index_select(0, src_index[i]).to(target.device))
     return True

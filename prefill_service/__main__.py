@@ -29,11 +29,6 @@ def main(argv: list[str] | None = None) -> None:
     # A prefill worker's requests end after their first token: it never runs a decode step, so capturing
     # decode CUDA graphs would only cost start-up time and GPU memory.
     engine = LLMEngine(settings.engine_config(enforce_eager=True, compile_decode=False))
-    if engine.runner.kv_pool is None:  # (kvserve up refuses it before starting anything)
-        engine.close()
-        raise SystemExit(f"--tensor-parallel-size {settings.tensor_parallel_size}: on CUDA the ranks keep their KV in "
-                         "GPUs this process cannot reach, so a prefill worker could not hand it off; run prefill "
-                         "workers at 1 there (on the CPU any size works)")  # fmt: skip
     worker = PrefillWorker(engine, worker_id, settings.address, security, settings.max_batch_tokens,
                            settings.max_wait_ms, registry, ComputeLease(settings.compute_lease, "prefill"))  # fmt: skip
     if registry is not None and (ended := registry.end_leases_of(worker_id)):

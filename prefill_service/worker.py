@@ -76,11 +76,12 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_ms / 1000
         runner = engine.runner
-        if runner.kv_pool is None:  # (prefill_service.__main__ refuses it first)
-            raise ValueError("a prefill worker split over NCCL ranks cannot reach their KV to hand it off")
         engine.connect(HandoffConnector(runner.kv_pool, engine.config.block_size))  # every rank's heads move
         self.fingerprint = engine.prefix_salt  # the KV layout, of all heads (the same for every TP size)
         self.kv_heads = runner.kv_heads  # advertised: what each rank holds
+        # NIXL registers our pool's parts; a GPU rank's part is opened here through CUDA IPC, which it is not
+        # asked to register: a split GPU worker offers the other transports only
+        self._nixl = nixl_installed() and (engine.config.tensor_parallel_size == 1 or runner.device.type == "cpu")
         self.destinations = Destinations(runner.kv_pool.spec, self.fingerprint, worker_id, security, registry,
                                          runner.device)  # fmt: skip
         self._jobs = JobQueue()
@@ -171,7 +172,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
     def info(self) -> WorkerInfo:
         return WorkerInfo(worker_id=self.worker_id, role="prefill", address=self.address, host_id=local_host_id(),
                           device=str(self.engine.runner.device), fingerprint=self.fingerprint,
-                          block_size=self.engine.config.block_size, transports=Backend.NIXL if nixl_installed() else "",
+                          block_size=self.engine.config.block_size, transports=Backend.NIXL if self._nixl else "",
                           kv_heads=self.kv_heads, **self.load())  # fmt: skip
 
     def drain(self, timeout_s: float) -> None:

@@ -41,7 +41,11 @@
 #                      32 new tokens each): the grouped-GEMM experts (torch._grouped_mm) and their decode
 #                      graphs on the GPU, tokens/s and identical greedy outputs
 #   tp             60  only on a machine of two or more GPUs (outside the 525 s of a one-GPU machine, where it
-#                      prints that it skipped): kvserve bench tp, the model split over 2 GPUs (NCCL) against 1
+#                      prints that it skipped): kvserve bench tp, the model split over 2 GPUs (NCCL) against 1,
+#                      the split engine replaying the decode CUDA graphs each rank captured
+#   tp-tests      240  there too: tests/cluster/test_tensor_parallel_gpu.py (two_gpus, left out of gpu-tests):
+#                      the ranks' decode graphs against eager at TP 2 and 1, rank 1's KV through CUDA IPC, and
+#                      1P+1D clusters at TP 2 -> 1 and 1 -> 2 over cuda_ipc with the offline engine's tokens
 # GPU_CHECK_SMOKE=1 (tests/deploy/test_gpu_check_script.py, on a CPU) runs the same command lines with tiny sizes
 # on the model directory GPU_CHECK_MODEL, with $PYTHON and no wheels; a step marked --smoke-parse (it needs
 # CUDA, or minutes of a CPU) then only parses its command line.
@@ -110,7 +114,7 @@ step() {  # step NAME SECONDS [--smoke-parse] -m MODULE ARGS...
   "$py" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
 } 2>&1 | tee "$out/machine.txt"
 step kernels-bench 42 -m kvserve.bench.kernels --sweep-only
-step gpu-tests 130 -m pytest -q -rs -m gpu -p no:cacheprovider -n "$test_workers" --dist loadgroup \
+step gpu-tests 130 -m pytest -q -rs -m "gpu and not two_gpus" -p no:cacheprovider -n "$test_workers" --dist loadgroup \
     --continue-on-collection-errors $gpu_tests
 step random-model 17 --smoke-parse -m kvserve.cli model random --like qwen2-0.5b --out "$model" --dtype bfloat16
 step offline 100 -m kvserve.bench.offline --model "$model" --baseline hf-static --batch-sizes "$batch_sizes" \
@@ -131,6 +135,7 @@ step moe-offline 35 -m kvserve.bench.offline --model "$moe_model" --num-prompts 
     --max-len 128 --max-tokens "$moe_tokens" --profile-batch "$moe_prompts" --profile-steps 4
 if [ "$smoke" = 1 ] || [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
     step tp 60 --smoke-parse -m kvserve.bench.tp --model "$model" --batch-sizes "1,64" --rounds 1
+    step tp-tests 240 -m pytest -q -rs -s -m two_gpus -p no:cacheprovider tests/cluster/test_tensor_parallel_gpu.py
 else
     echo "=== tp: skipped: tensor parallelism needs two or more GPUs, this machine has $(nvidia-smi -L 2>/dev/null | wc -l)"
 fi

@@ -65,8 +65,8 @@ def read_blocks(pool: KVCache | SplitPool, block_ids: list[int]) -> bytes:
         if len(parts) == 1:
             torch.index_select(parts[0], 0, index, out=rows)
             continue
-        for part, columns in _columns(parts):
-            rows[:, :, columns] = part.index_select(0, index)
+        for part, columns in _columns(parts):  # (a GPU rank's part is on its own device)
+            rows[:, :, columns] = part.index_select(0, index.to(part.device))
     return out.cpu().numpy().tobytes()
 
 
@@ -95,8 +95,8 @@ def write_blocks(pool: KVCache | SplitPool, block_ids: list[int], data: bytes) -
         source = torch.frombuffer(data, dtype=torch.uint8).to(pool.device)
     index = torch.tensor(block_ids, dtype=torch.long, device=pool.device)
     for parts, rows in _region_parts(pool, source, n):
-        for part, columns in _columns(parts):
-            part.index_copy_(0, index, rows[:, :, columns])
+        for part, columns in _columns(parts):  # (a GPU rank's part is on its own device)
+            part.index_copy_(0, index.to(part.device), rows[:, :, columns].to(part.device))
 
 
 def checksum(data: bytes) -> str:

@@ -29,7 +29,7 @@ OWNER = textwrap.dedent(
     """
     import json, sys, torch
     from kvstore import KVCache, KVCacheSpec
-    from transfer.cuda_ipc import export_cuda_ipc
+    from kvstore.ipc_pool import export_cuda_ipc
     fields = json.loads(sys.argv[1])
     fields["dtype"] = getattr(torch, fields["dtype"])
     pool = KVCache(KVCacheSpec(**fields), int(sys.argv[2]), "cuda")
@@ -76,7 +76,7 @@ def measure_hand_off(spec: KVCacheSpec, num_tokens: int, repeats: int = 20) -> H
 
 def _time_stores(spec: KVCacheSpec, num_blocks: int, handle: bytes, num_tokens: int, repeats: int) -> HandOff:
     import kvkernels
-    from transfer.cuda_ipc import open_cuda_ipc_pool
+    from kvstore.ipc_pool import open_cuda_ipc_pool
 
     remote = open_cuda_ipc_pool(spec, num_blocks, handle)
     k = torch.randn(num_tokens, spec.num_kv_heads, spec.head_dim, device="cuda").to(spec.dtype)

@@ -13,8 +13,8 @@ nothing to run holds no core and two busy workers never oversubscribe them. With
 GPU host, each gets ``--threads`` (by default its share of the cores) and no lease. Each also gets
 ``--gpu-memory-utilization``, their share of the GPU's total memory, since every worker runs on the same GPU
 (``gpu_memory_shares``; ignored on the CPU), and ``--tensor-parallel-size``, its role's
-(``--prefill-tp``/``--decode-tp``; ``check_tensor_parallel`` refuses pairs whose KV cannot be handed off). On a CPU
-host decode workers get ``--compile-decode true`` unless
+(``--prefill-tp``/``--decode-tp``: any two sizes hand KV off, through pool files on the CPU and CUDA IPC
+handles on a GPU, ``kvstore.split_pool``). On a CPU host decode workers get ``--compile-decode true`` unless
 ``kvserve up`` was given ``--compile-decode``: one user's decode steps run compiled (``engine.models.compiled_decode``).
 What the options of ``UpSettings`` become for each child is
 ``kvserve.settings``'s docstring.
@@ -112,7 +112,6 @@ def plan_cluster(up: UpSettings, extra: ExtraArgv | None = None, host: str = "12
     shares = gpu_memory_shares(up.prefill_gpu_memory_utilization, up.decode_gpu_memory_utilization, up.prefill,
                                up.decode)  # fmt: skip
     shared_argv, public_argv = split_public_tls(up.security_argv())
-    check_tensor_parallel(up)
     threads, compute_lease = compute_shares(up)
     worker_argv = [*shared_argv, *up.tracing_argv(), *up.engine_argv(), *config_argv(up)]
     children = []
@@ -139,19 +138,6 @@ def plan_cluster(up: UpSettings, extra: ExtraArgv | None = None, host: str = "12
     if up.config_file is not None:
         check_config_file(up.config_file, children)
     return ClusterPlan(up, host, tuple(children), tuple(public_argv))
-
-
-def check_tensor_parallel(up: UpSettings) -> None:
-    """``ValueError``, naming the options, for tensor-parallel workers whose KV cannot be handed off: on a GPU host
-    each rank keeps its heads in its own GPU, which the worker's rank 0 cannot reach, so with prefill workers
-    both roles run at size 1 there (``--prefill 0`` lets decode workers split and prefill their own prompts). On
-    a CPU host any sizes pair up: every rank's part is a pool file its worker maps (``kvstore.split_pool``)."""
-    prefill_tp, decode_tp = up.role_tp("prefill"), up.role_tp("decode")
-    if up.prefill and up.decode and max(prefill_tp, decode_tp) > 1 and not on_cpu_host(up):
-        flag = f"--prefill-tp {prefill_tp}" if prefill_tp > 1 else f"--decode-tp {decode_tp}"
-        raise ValueError(f"{flag} with --prefill {up.prefill} on a GPU host: the KV of ranks on separate GPUs cannot "
-                         "be handed between workers yet (their layouts do not map); run both roles at 1, or "
-                         "--prefill 0 and split the decode workers")  # fmt: skip
 
 
 def check_config_file(config: ConfigFile, children: list[ChildPlan]) -> None:

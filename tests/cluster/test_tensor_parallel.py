@@ -32,7 +32,7 @@ def test_two_ranks_give_one_devices_greedy_tokens_in_mixed_batches(split, engine
     prompts = [engine_prompts[i][:n] for i, n in ((0, 7), (1, 30), (2, 55), (3, 18))]  # prefills in 40-token chunks
     one = LLM("default", num_blocks=96, max_num_batched_tokens=40)
     single = one.generate(prompts, PARAMS)
-    buckets, replay = [], runner.graphs.replay  # (engine.tensor_parallel_decode: each rank stages rank 0's bucket)
+    buckets, replay = [], runner.graphs.replay  # (ShardedDecode: each rank stages rank 0's bucket)
     runner.graphs.replay = lambda bucket: buckets.append(bucket) or replay(bucket)
     try:
         ties = assert_same_greedy(single, split.generate(prompts, PARAMS))
@@ -134,21 +134,21 @@ def test_kv_crosses_tp_sizes_over_grpc_and_nixl(tmp_path, engine_prompts, prefil
     _cross_tp_cluster(tmp_path, engine_prompts, prefill_tp, decode_tp, transport)
 
 
-def test_a_gpu_host_refuses_split_workers_beside_prefill_workers(monkeypatch):
-    """On a GPU host each rank's KV is in its own GPU, out of the hand-off's reach: a split worker with
-    prefill workers is refused before anything starts, naming the flag; ``--prefill 0`` is not."""
+def test_a_gpu_host_plans_split_workers_beside_prefill_workers(monkeypatch):
+    """On a GPU host each rank exports its part of the KV pool through CUDA IPC, so split workers pair up with
+    prefill workers at any sizes, as on the CPU (the hand-offs themselves run in scripts/gpu_check.sh)."""
     import torch
 
     from kvserve.launcher.plan import plan_cluster
     from kvserve.settings import parse_up
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(ValueError, match="--decode-tp 2 with --prefill 1 on a GPU host"):
-        plan_cluster(parse_up(["--decode-tp", "2"]))
-    with pytest.raises(ValueError, match="--prefill-tp 2 with --prefill 1 on a GPU host"):
-        plan_cluster(parse_up(["--prefill-tp", "2"]))
-    plan_cluster(parse_up(["--decode-tp", "2", "--prefill", "0"]))
-    plan_cluster(parse_up(["--decode-tp", "2", "--device", "cpu"]))
+    for flags in (["--decode-tp", "2"], ["--prefill-tp", "2"], ["--prefill-tp", "2", "--decode-tp", "2"]):
+        plan = plan_cluster(parse_up(flags))
+        sizes = {child.role: child.argv[child.argv.index("--tensor-parallel-size") + 1]
+                 for child in plan.children if "--tensor-parallel-size" in child.argv}  # fmt: skip
+        assert sizes == {"prefill": flags[flags.index("--prefill-tp") + 1] if "--prefill-tp" in flags else "1",
+                         "decode": flags[flags.index("--decode-tp") + 1] if "--decode-tp" in flags else "1"}, sizes
 
 
 def _rank_pids(worker_pid: int) -> list[int]:

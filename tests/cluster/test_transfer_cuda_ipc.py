@@ -23,7 +23,7 @@ OWNER = textwrap.dedent(
     import sys, torch
     from kvstore import KVCache, KVCacheSpec
     from transfer.blocks import checksum_blocks
-    from transfer.cuda_ipc import export_cuda_ipc
+    from kvstore.ipc_pool import export_cuda_ipc
     spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
     pool = KVCache(spec, 64, "cuda")
     print(export_cuda_ipc(pool).decode(), flush=True)
@@ -74,7 +74,7 @@ FRESH_OPENER = textwrap.dedent(
     assert not torch.cuda.is_initialized()
     from kvstore import KVCacheSpec
     from transfer.blocks import read_blocks
-    from transfer.cuda_ipc import open_cuda_ipc_pool
+    from kvstore.ipc_pool import open_cuda_ipc_pool
     spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
     remote = open_cuda_ipc_pool(spec, 64, sys.argv[1].encode())
     print(read_blocks(remote, [5, 9]).hex(), flush=True)
@@ -90,8 +90,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_fresh_process_opens_exported_pool():
     from kvstore import KVCache, KVCacheSpec
+    from kvstore.ipc_pool import export_cuda_ipc
     from transfer.blocks import read_blocks
-    from transfer.cuda_ipc import export_cuda_ipc
 
     spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
     written = torch.randint(0, 256, (spec.total_bytes(64),), dtype=torch.uint8,

@@ -17,6 +17,7 @@ from kvstore.shared_pool import SHM_DIR_ENV, create_part_files, create_shared_po
 from kvstore.split_pool import SplitPool, copy_blocks
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from transfer.blocks import checksum_blocks, read_blocks, write_blocks
+from transfer.cuda_ipc import CudaIpcTransport
 from transfer.interface import Origin
 from transfer.shm import ShmTransport
 
@@ -121,3 +122,16 @@ def test_shm_opens_a_destination_split_over_rank_files(tmp_path, monkeypatch):
                                        num_blocks=NUM_BLOCKS))  # fmt: skip
         with pytest.raises(ValueError, match="cannot be mapped onto this model's 3 KV heads"):
             ShmTransport.open(bad, origin)
+
+
+def test_cuda_ipc_refuses_a_destination_whose_handles_do_not_match_its_layout():
+    """A decode worker split over GPU ranks sends one exported pool per part (``part_cuda_ipc_handles``); a
+    layout that does not map onto the model's heads, or handles of another count, is refused before any
+    handle is opened (opening one needs CUDA: tests/cluster/test_tensor_parallel_gpu.py)."""
+    origin = Origin(SPECS[0], "fp", "prefill-t", TEST_SECURITY)
+    for bad in (pb.KVDestination(kv_heads="2,1", cuda_ipc_handle=b"{}"),
+                pb.KVDestination(kv_heads="2,2", cuda_ipc_handle=b"{}", part_cuda_ipc_handles=[b"{}"]),
+                pb.KVDestination(kv_heads="", cuda_ipc_handle=b"{}", part_cuda_ipc_handles=[b"{}"])):  # fmt: skip
+        bad.MergeFrom(pb.KVDestination(backend="cuda_ipc", worker_id="decode-t", num_blocks=NUM_BLOCKS))
+        with pytest.raises(ValueError, match="cannot be mapped onto this model's 3 KV heads"):
+            CudaIpcTransport.open(bad, origin)

@@ -240,7 +240,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., preferred_prefill_worker: _Optional[str] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ..., num_resumed_chars: _Optional[int] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("worker_id", "backend", "address", "fingerprint", "block_ids", "shm_path", "cuda_ipc_handle", "num_blocks", "prefill_worker_id", "lease_expires_unix_ms", "lease_signature", "cached_block_ids", "cached_prefix_hash", "num_cached_tokens", "lease_nonce", "nixl_metadata", "nixl_pool", "kv_heads", "part_shm_paths")
+    __slots__ = ("worker_id", "backend", "address", "fingerprint", "block_ids", "shm_path", "cuda_ipc_handle", "num_blocks", "prefill_worker_id", "lease_expires_unix_ms", "lease_signature", "cached_block_ids", "cached_prefix_hash", "num_cached_tokens", "lease_nonce", "nixl_metadata", "nixl_pool", "kv_heads", "part_shm_paths", "part_cuda_ipc_handles")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +260,7 @@ class KVDestination(_message.Message):
     NIXL_POOL_FIELD_NUMBER: _ClassVar[int]
     KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     PART_SHM_PATHS_FIELD_NUMBER: _ClassVar[int]
+    PART_CUDA_IPC_HANDLES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     backend: str
     address: str
@@ -279,7 +280,8 @@ class KVDestination(_message.Message):
     nixl_pool: str
     kv_heads: str
     part_shm_paths: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., fingerprint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., lease_signature: _Optional[str] = ..., cached_block_ids: _Optional[_Iterable[int]] = ..., cached_prefix_hash: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., lease_nonce: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., nixl_pool: _Optional[str] = ..., kv_heads: _Optional[str] = ..., part_shm_paths: _Optional[_Iterable[str]] = ...) -> None: ...
+    part_cuda_ipc_handles: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: _Optional[str] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., fingerprint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., lease_signature: _Optional[str] = ..., cached_block_ids: _Optional[_Iterable[int]] = ..., cached_prefix_hash: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., lease_nonce: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., nixl_pool: _Optional[str] = ..., kv_heads: _Optional[str] = ..., part_shm_paths: _Optional[_Iterable[str]] = ..., part_cuda_ipc_handles: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "num_cached_tokens", "destination")

@@ -1,4 +1,5 @@
-"""Padded decode steps under tensor parallelism: every rank runs the same bucket, from CUDA graphs of its own.
+"""Rank 0's model under tensor parallelism: ``ShardedModel`` sends each call to every rank; ``ShardedDecode`` runs
+padded decode steps, every rank the same bucket, from CUDA graphs of its own.
 
 A one-device engine replays a decode step's CUDA graph (``engine.cuda_graph``): the graph reads fixed input
 buffers that the runner stages (``input_batch.PaddedDecodeInputs``). Under tensor parallelism a step's kernels
@@ -16,6 +17,7 @@ On the CPU nothing is captured and the same plan runs each rank's padded forward
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,12 +25,54 @@ import torch
 
 from engine.cuda_graph import DecodeGraphs, decode_forward
 from engine.input_batch import PaddedDecodeInputs
+from engine.models.attention import AttentionMetadata, RingMetadata
 from engine.models.model import CausalLM
 from engine.models.tensor_parallel import Shard, gather_logits
 from kvstore import LayerKV
 
 if TYPE_CHECKING:
     from engine.tensor_parallel_ranks import Ranks
+
+
+# -- plans: what crosses the pipes (host arrays, not tensors: a tensor would travel as a shared-memory file) --
+
+
+def to_host(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.cpu().numpy())
+    if isinstance(value, (AttentionMetadata, RingMetadata)):
+        return ("meta", type(value).__name__, {f.name: to_host(getattr(value, f.name))
+                                               for f in dataclasses.fields(value)})  # fmt: skip
+    return ("value", value)
+
+
+def from_host(value, device: torch.device):
+    if value[0] == "tensor":
+        return torch.from_numpy(value[1]).to(device)
+    if value[0] == "meta":
+        kind = {"AttentionMetadata": AttentionMetadata, "RingMetadata": RingMetadata}[value[1]]
+        return kind(**{name: from_host(v, device) for name, v in value[2].items()})
+    return value[1]
+
+
+class ShardedModel:
+    """Rank 0's model under tensor parallelism: what the runner calls is sent to every rank, then run on rank
+    0's part; ``compute_logits`` returns the whole vocabulary's logits, gathered. Anything else (``config``,
+    ``modules``) is rank 0's part's."""
+
+    def __init__(self, part: CausalLM, shard: Shard, ranks: Ranks) -> None:
+        self.part, self.shard, self.ranks = part, shard, ranks
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_layers, meta: AttentionMetadata):
+        self.ranks.send("forward", tuple(to_host(v) for v in (input_ids, positions, meta)))
+        return self.part(input_ids, positions, kv_layers, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.ranks.send("logits", to_host(hidden))
+        return gather_logits(self.part.group, self.part.compute_logits(hidden), self.shard)
+
+    def __getattr__(self, name: str):
+        return getattr(self.part, name)
 
 
 class GatheredModel:
