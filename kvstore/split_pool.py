@@ -62,6 +62,13 @@ class SplitPool:
     def split(self) -> bool:
         return len(self.parts) > 1
 
+    def synchronize(self) -> None:
+        """Wait for this process's copies into a split GPU pool: its parts are other processes' memory (each
+        rank's own, opened here through CUDA IPC), whose next kernels do not wait for streams of ours."""
+        if self.split and self.device.type == "cuda":
+            for part in self.parts:
+                torch.cuda.synchronize(part.buffer.device)
+
     def regions(self) -> list[list[torch.Tensor]]:
         """Every layer's K, V (and scale) region in ``transfer.blocks``' order, each as its parts' views of
         ``(num_blocks, block_size, bytes of the part's heads in one token's row)`` uint8, in head order."""
@@ -132,4 +139,5 @@ def copy_blocks(src: SplitPool, src_blocks: list[int], dst: SplitPool, dst_block
                 if n != src.heads[i] or n != dst.heads[j]:  # (heads are dim 2 of every region)
                     source, target = source[:, :, s_at : s_at + n], target[:, :, d_at : d_at + n]
                 target.index_copy_(0, dst_index[j], source.index_select(0, src_index[i]).to(target.device))
+    dst.synchronize()
     return True

@@ -97,6 +97,7 @@ def write_blocks(pool: KVCache | SplitPool, block_ids: list[int], data: bytes) -
     for parts, rows in _region_parts(pool, source, n):
         for part, columns in _columns(parts):  # (a GPU rank's part is on its own device)
             part.index_copy_(0, index.to(part.device), rows[:, :, columns].to(part.device))
+    pool.synchronize()
 
 
 def checksum(data: bytes) -> str:

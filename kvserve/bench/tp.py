@@ -9,7 +9,9 @@ here, the others processes of their own) with cores / tp threads each, so both s
 Each round runs both sides on the same greedy requests, alternating which goes first (this machine drifts).
 Reported per batch size: output tokens/s of each side (median over rounds), their ratio, the share of rank
 0's generate time spent in collectives (the all-reduces and the logits' gather, waiting for the slower rank
-included: the bundled model's 3 KV heads split 2 + 1) and whether the tokens were the same. On a CPU this is a
+included: the bundled model's 3 KV heads split 2 + 1; under CUDA graphs the replayed decode steps' collectives
+are not seen from the host, so only the eager steps' count), how the split side decoded (each rank's CUDA
+graphs on a GPU, eager on the CPU) and whether the tokens were the same. On a CPU this is a
 correctness platform, not a speed claim: the ranks share the memory bandwidth that bounds a decode step.
 """
 
@@ -34,6 +36,8 @@ def run(model: str, tp: int, batch_sizes: list[int], prompt_len: int, max_tokens
     sides = {"1 rank": LLM(model, **common)}
     sides[f"{tp} ranks"] = LLM(model, tensor_parallel_size=tp, **common)
     threads = {"1 rank": cores, f"{tp} ranks": max(1, cores // tp)}
+    graphs = sides[f"{tp} ranks"].engine.runner.graphs  # (``ShardedDecode``: each rank's CUDA graphs on a GPU)
+    decode = "CUDA graphs" if graphs is not None and graphs.steps.graphs is not None else "eager"
     group = sides[f"{tp} ranks"].engine.runner.model.part.group
     vocab = sides["1 rank"].engine.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -56,7 +60,7 @@ def run(model: str, tp: int, batch_sizes: list[int], prompt_len: int, max_tokens
                         shares.append((group.seconds - before) / seconds)
             one, split = (statistics.median(speeds[side]) for side in sides)
             rows.append({"batch": batch, "1 rank tok/s": one, f"{tp} ranks tok/s": split, "ratio": split / one,
-                         "collectives share": statistics.median(shares),
+                         "collectives share": statistics.median(shares), "split decode": decode,
                          "same tokens": outputs["1 rank"] == outputs[f"{tp} ranks"]})  # fmt: skip
     finally:
         torch.set_num_threads(cores)
