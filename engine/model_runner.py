@@ -143,7 +143,7 @@ class ModelRunner:
             with torch.inference_mode():
                 if self.ranks is not None:  # every rank's graphs (eager steps on the CPU), in step
                     self.graphs = ShardedDecode(self.model.part, shard, self.ranks, self.kv_cache.layers,
-                                                self.decode_inputs, self.device)  # fmt: skip
+                                                self.decode_inputs, self.device, config.tensor_parallel_timeout_s)
                 elif self.device.type == "cuda":
                     self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.decode_inputs, self.device)
 

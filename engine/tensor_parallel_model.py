@@ -18,6 +18,7 @@ On the CPU nothing is captured and the same plan runs each rank's padded forward
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,7 +28,7 @@ from engine.cuda_graph import DecodeGraphs, decode_forward
 from engine.input_batch import PaddedDecodeInputs
 from engine.models.attention import AttentionMetadata, RingMetadata
 from engine.models.model import CausalLM
-from engine.models.tensor_parallel import Shard, gather_logits
+from engine.models.tensor_parallel import RankLost, Shard, gather_logits
 from kvstore import LayerKV
 
 if TYPE_CHECKING:
@@ -110,9 +111,9 @@ class ShardedDecode:
     ``DecodeGraphs`` (``replay(bucket)`` after staging ``inputs``). Built after the ranks hold their KV."""
 
     def __init__(self, part: CausalLM, shard: Shard, ranks: Ranks, kv_layers: list[LayerKV],
-                 inputs: PaddedDecodeInputs, device: torch.device) -> None:  # fmt: skip
+                 inputs: PaddedDecodeInputs, device: torch.device, timeout_s: float) -> None:  # fmt: skip
         capture = device.type == "cuda"
-        self.ranks, self.inputs = ranks, inputs
+        self.ranks, self.inputs, self.timeout_s = ranks, inputs, timeout_s
         ranks.send("decode_steps", (inputs.buckets, inputs.max_blocks_per_seq, capture))
         self.steps = DecodeSteps(GatheredModel(part, shard), kv_layers, inputs, device, capture)
         self.capture_s = self.steps.graphs.capture_s if self.steps.graphs is not None else 0.0
@@ -124,7 +125,24 @@ class ShardedDecode:
 
     def replay(self, bucket: int) -> torch.Tensor:
         self.ranks.send("decode", (bucket, self.inputs.host_arrays(bucket)))
-        return self.steps.run(bucket)
+        logits = self.steps.run(bucket)
+        if self.steps.graphs is not None:
+            wait_for_device(self.timeout_s)
+        return logits
+
+
+def wait_for_device(timeout_s: float) -> None:
+    """Returns once this device's work so far is done; ``RankLost`` past ``timeout_s``. A collective replayed in
+    a CUDA graph has no timeout of its own (the process group's watchdog never sees it), so a rank hung or gone
+    would hold the step, and the worker, for good; this wait is its timeout."""
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + timeout_s
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise RankLost(f"a tensor parallel decode step did not finish within {timeout_s:g} s "
+                           "(tensor_parallel_timeout_s): a rank is hung or gone")  # fmt: skip
+        time.sleep(50e-6)
 
 
 def rank_decode_steps(model: CausalLM, shard: Shard, kv_layers: list[LayerKV], buckets: list[int],

@@ -45,8 +45,9 @@
 #                      GPU_CHECK_ONLY='random-model tp tp-tests' bash scripts/gpu_check.sh): kvserve bench tp,
 #                      the model split over 2 GPUs (NCCL) against 1,
 #                      the split engine replaying the decode CUDA graphs each rank captured
-#   tp-tests      240  there too: tests/cluster/test_tensor_parallel_gpu.py (two_gpus, left out of gpu-tests):
-#                      the ranks' decode graphs against eager at TP 2 and 1, rank 1's KV through CUDA IPC, and
+#   tp-tests      300  there too: tests/cluster/test_tensor_parallel_gpu.py (two_gpus, left out of gpu-tests):
+#                      the ranks' decode graphs against eager at TP 2 and 1, a hung rank's timeout, rank 1's KV
+#                      through CUDA IPC, and
 #                      1P+1D clusters at TP 2 -> 1 and 1 -> 2 over cuda_ipc with the offline engine's tokens
 # GPU_CHECK_SMOKE=1 (tests/deploy/test_gpu_check_script.py, on a CPU) runs the same command lines with tiny sizes
 # on the model directory GPU_CHECK_MODEL, with $PYTHON and no wheels; a step marked --smoke-parse (it needs
@@ -138,7 +139,7 @@ step moe-offline 35 -m kvserve.bench.offline --model "$moe_model" --num-prompts 
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 if [ "$smoke" = 1 ] || { [ "$gpus" -ge 2 ] && [ -n "$only" ]; }; then
     step tp 60 --smoke-parse -m kvserve.bench.tp --model "$model" --batch-sizes "1,64" --rounds 1
-    step tp-tests 240 -m pytest -q -rs -s -m two_gpus -p no:cacheprovider tests/cluster/test_tensor_parallel_gpu.py
+    step tp-tests 300 -m pytest -q -rs -s -m two_gpus -p no:cacheprovider tests/cluster/test_tensor_parallel_gpu.py
 elif [ "$gpus" -ge 2 ]; then
     echo "=== tp, tp-tests: $gpus GPUs here: a second call runs them (a call's 9 minutes hold the steps above):"
     echo "    GPU_CHECK_ONLY='random-model tp tp-tests' bash scripts/gpu_check.sh"

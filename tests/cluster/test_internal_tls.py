@@ -173,7 +173,8 @@ def _altered(dest: pb.KVDestination, name: str) -> pb.KVDestination:
     elif isinstance(value, int):
         setattr(changed, name, value + 1)
     else:  # repeated
-        value.append("1" if value and isinstance(value[0], str) else 1)
+        first = value[0] if value else 1
+        value.append(b"1" if isinstance(first, bytes) else "1" if isinstance(first, str) else 1)
     return changed
 
 
@@ -182,7 +183,7 @@ def test_a_lease_with_any_field_altered_is_refused(members, prefill, tmp_path):
     decode = members["decode-0"]
     dest = _destination(worker, decode, "edit", shm_path="/nowhere", cuda_ipc_handle=b"handle", cached_block_ids=[5],
                         nixl_metadata=b"agent", nixl_pool="DRAM:0:4096", kv_heads="2,1",
-                        part_shm_paths=["/nowhere-r1"])  # fmt: skip
+                        part_shm_paths=["/nowhere-r1"], part_cuda_ipc_handles=[b"handle-r1"])  # fmt: skip
     lease.grant(decode, "edit", dest, "prefill-0", 30, list(range(100, 116)), 16)  # every field set
     names = [f.name for f in pb.KVDestination.DESCRIPTOR.fields if f.name != "lease_signature"]
     assert {"cuda_ipc_handle", "fingerprint", "num_cached_tokens", "cached_prefix_hash", "lease_nonce"} <= set(names)

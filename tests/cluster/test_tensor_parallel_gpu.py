@@ -4,6 +4,7 @@ or more GPUs (``two_gpus``; skipped elsewhere, and left out of its one-GPU ``gpu
 * every rank captures its decode CUDA graphs, all-reduces and the logits' gather inside them
   (``engine.tensor_parallel_model.ShardedDecode``), and greedy tokens equal one GPU's eager engine's and the
   split engine's own eager steps', within ``tensor_parallel_testing``'s tolerance (float32: sums in other orders);
+* a rank hung in a replayed collective fails the step within ``tensor_parallel_timeout_s`` (``RankLost``);
 * rank 0 reaches rank 1's part of the KV pool through CUDA IPC (``kvstore.ipc_pool``): the KV it reads there
   is what one GPU computes for those heads, and what it writes there the rank's next step reads;
 * 1P+1D clusters at TP 2 -> 1 and 1 -> 2 hand every prompt's KV over ``cuda_ipc``, each decode rank's heads
@@ -149,3 +150,42 @@ def test_a_prefill_worker_at_tp2_hands_its_kv_to_a_decode_worker_at_tp1_over_cud
 
 def test_a_prefill_worker_at_tp1_hands_its_kv_to_a_decode_worker_at_tp2_over_cuda_ipc(tmp_path):
     _cross_tp_cluster_on_gpus(tmp_path, 1, 2)
+
+
+HUNG_RANK = """
+import os, signal, sys, time
+from engine import LLM, SamplingParams
+from engine.models.tensor_parallel import RankLost
+llm = LLM(sys.argv[1], device="cuda", dtype="float32", skip_tokenizer_init=True, num_blocks=64, max_num_seqs=4,
+          tensor_parallel_size=2, tensor_parallel_timeout_s=10)
+engine = llm.engine
+engine.add_request(list(range(100, 120)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+engine.step(), engine.step()  # the prefill, then a decode step replayed on both ranks
+rank = engine.runner.ranks._processes[0]
+os.kill(rank.pid, signal.SIGSTOP)
+began = time.monotonic()
+try:
+    while engine.has_unfinished_requests():
+        engine.step()
+    print("every step finished", flush=True)
+except RankLost as error:
+    print(f"RankLost after {time.monotonic() - began:.1f} s: {error}", flush=True)
+os.kill(rank.pid, signal.SIGKILL)
+os._exit(0)  # (the stuck collective holds this process's stream: no clean exit)
+"""
+
+
+def test_a_hung_rank_fails_a_replayed_decode_step_within_the_timeout(model_dir):
+    """A graph's collectives have no watchdog: ``ShardedDecode`` waits for each replayed step with
+    ``tensor_parallel_timeout_s`` (``wait_for_device``). In a process of its own, whose stream stays stuck."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    run = subprocess.run([sys.executable, "-c", HUNG_RANK, str(model_dir)], capture_output=True, text=True,
+                         timeout=180, env=env)  # fmt: skip
+    found = re.search(r"RankLost after ([\d.]+) s: .*tensor_parallel_timeout_s", run.stdout)
+    assert found, (run.stdout[-2000:], run.stderr[-2000:])
+    assert float(found.group(1)) < 30
