@@ -47,8 +47,8 @@
 #                      the split engine replaying the decode CUDA graphs each rank captured
 #   tp-tests      300  there too: tests/cluster/test_tensor_parallel_gpu.py (two_gpus, left out of gpu-tests):
 #                      the ranks' decode graphs against eager at TP 2 and 1, a hung rank's timeout, rank 1's KV
-#                      through CUDA IPC, and
-#                      1P+1D clusters at TP 2 -> 1 and 1 -> 2 over cuda_ipc with the offline engine's tokens
+#                      through CUDA IPC, and 1P+1D clusters at TP 2 -> 1 and 1 -> 2 over cuda_ipc with the
+#                      offline engine's tokens
 # GPU_CHECK_SMOKE=1 (tests/deploy/test_gpu_check_script.py, on a CPU) runs the same command lines with tiny sizes
 # on the model directory GPU_CHECK_MODEL, with $PYTHON and no wheels; a step marked --smoke-parse (it needs
 # CUDA, or minutes of a CPU) then only parses its command line.
