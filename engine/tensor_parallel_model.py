@@ -116,7 +116,6 @@ class ShardedDecode:
         self.ranks, self.inputs, self.timeout_s = ranks, inputs, timeout_s
         ranks.send("decode_steps", (inputs.buckets, inputs.max_blocks_per_seq, capture))
         self.steps = DecodeSteps(GatheredModel(part, shard), kv_layers, inputs, device, capture)
-        self.capture_s = self.steps.graphs.capture_s if self.steps.graphs is not None else 0.0
 
     def summary(self) -> str:
         graphs = self.steps.graphs
