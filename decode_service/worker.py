@@ -73,7 +73,7 @@ class DecodeWorker(pb_grpc.DecodeServicer):
         # which registers every part of a CPU worker's pool (a GPU rank's part is opened here through CUDA IPC,
         # and NIXL is not asked to register such memory)
         whole = runner.kv_pool
-        nixl_reaches = engine.config.tensor_parallel_size == 1 or runner.device.type == "cpu"
+        nixl_reaches = not whole.ipc_parts
         if kv_transport == Backend.NIXL and not (nixl_reaches and nixl_installed()):
             raise RuntimeError("--kv-transport nixl needs NIXL (pip install 'kvserve[nixl]') and, split over "
                                "ranks, a CPU worker")  # fmt: skip

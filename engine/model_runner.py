@@ -142,8 +142,8 @@ class ModelRunner:
             self.decode_inputs = PaddedDecodeInputs(buckets, max_blocks_per_seq, self.device)
             with torch.inference_mode():
                 if self.ranks is not None:  # every rank's graphs (eager steps on the CPU), in step
-                    self.graphs = ShardedDecode(self.model.part, shard, self.ranks, self.kv_cache.layers,
-                                                self.decode_inputs, self.device, config.tensor_parallel_timeout_s)
+                    self.graphs = ShardedDecode(self.model, self.kv_cache.layers, self.decode_inputs, self.device,
+                                                config.tensor_parallel_timeout_s)  # fmt: skip
                 elif self.device.type == "cuda":
                     self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.decode_inputs, self.device)
 
@@ -185,9 +185,9 @@ class ModelRunner:
         decoded = self._decode_padded(seqs) if batch.num_decodes == len(seqs) and not scoring else None
         prompt: dict[int, list[TokenLogprob]] = {}
         if decoded is not None:
-            logits, sampled = decoded
-            if logits.dtype == torch.int64:  # a greedy row's token already (``CausalLM.greedy_token``)
-                return ExecutedStep([logits.tolist()], [None])
+            logits, sampled, token = decoded
+            if token is not None:  # one greedy row, its token already (``CausalLM.greedy_token``)
+                return ExecutedStep([[token]], [None])
             counts = None
         else:
             step = stage_step(self.staging, seqs, batch.num_new_tokens, batch.num_decodes, self.block_size)
@@ -231,10 +231,9 @@ class ModelRunner:
             scored[i] = prompt_logprobs(self.model.compute_logits, hidden[rows], targets, seq.params.prompt_logprobs)
         return scored
 
-    def _decode_padded(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
-        """(logits of the sampling rows, their batch indices) of a decode-only batch padded to its bucket;
-        None when the batch must run eagerly instead. One sequence whose token is its logits' argmax may get
-        that token ``(1,)`` int64 instead of logits (``CausalLM.greedy_token``)."""
+    def _decode_padded(self, seqs: list[Sequence]) -> tuple[torch.Tensor | None, list[int], int | None] | None:
+        """(logits of the sampling rows, their batch indices, None) of a decode-only batch padded to its bucket, or
+        for one argmax row ``(None, [0], its token)`` (``CausalLM.greedy_token``); None: the batch runs eagerly."""
         inputs = self.decode_inputs
         if inputs is None or any(s.ring is not None for s in seqs):  # windows run eagerly (``stage_step``)
             return None
@@ -252,12 +251,14 @@ class ModelRunner:
                 input_ids, positions, meta = inputs.device_inputs(bucket)
                 hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
                 token = self.model.greedy_token(hidden)
-                logits = self.model.compute_logits(hidden) if token is None else token
+                if token is not None:
+                    return None, sampled, int(token)
+                logits = self.model.compute_logits(hidden)
             else:
                 logits = decode_forward(self.model, self.kv_cache.layers, inputs, bucket)
         if len(sampled) == len(seqs):
-            return logits[: len(seqs)], sampled
-        return logits[torch.tensor(sampled, dtype=torch.int64, device=self.device)], sampled
+            return logits[: len(seqs)], sampled, None
+        return logits[torch.tensor(sampled, dtype=torch.int64, device=self.device)], sampled, None
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int] | None = None,
                 seen_after: list[list[int]] | None = None) -> tuple[list[int], list[TokenLogprob] | None]:  # fmt: skip

@@ -62,7 +62,8 @@ class ShardedModel:
     ``modules``) is rank 0's part's."""
 
     def __init__(self, part: CausalLM, shard: Shard, ranks: Ranks) -> None:
-        self.part, self.shard, self.ranks = part, shard, ranks
+        self.part, self.ranks = part, ranks
+        self.gathered = GatheredModel(part, shard)  # (what each call runs here, once the ranks have it)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_layers, meta: AttentionMetadata):
         self.ranks.send("forward", tuple(to_host(v) for v in (input_ids, positions, meta)))
@@ -70,7 +71,7 @@ class ShardedModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self.ranks.send("logits", to_host(hidden))
-        return gather_logits(self.part.group, self.part.compute_logits(hidden), self.shard)
+        return self.gathered.compute_logits(hidden)
 
     def __getattr__(self, name: str):
         return getattr(self.part, name)
@@ -110,12 +111,12 @@ class ShardedDecode:
     """Rank 0's padded decode steps under tensor parallelism: what the runner replays as it would a
     ``DecodeGraphs`` (``replay(bucket)`` after staging ``inputs``). Built after the ranks hold their KV."""
 
-    def __init__(self, part: CausalLM, shard: Shard, ranks: Ranks, kv_layers: list[LayerKV],
-                 inputs: PaddedDecodeInputs, device: torch.device, timeout_s: float) -> None:  # fmt: skip
+    def __init__(self, model: ShardedModel, kv_layers: list[LayerKV], inputs: PaddedDecodeInputs,
+                 device: torch.device, timeout_s: float) -> None:  # fmt: skip
         capture = device.type == "cuda"
-        self.ranks, self.inputs, self.timeout_s = ranks, inputs, timeout_s
-        ranks.send("decode_steps", (inputs.buckets, inputs.max_blocks_per_seq, capture))
-        self.steps = DecodeSteps(GatheredModel(part, shard), kv_layers, inputs, device, capture)
+        self.ranks, self.inputs, self.timeout_s = model.ranks, inputs, timeout_s
+        model.ranks.send("decode_steps", (inputs.buckets, inputs.max_blocks_per_seq, capture))
+        self.steps = DecodeSteps(model.gathered, kv_layers, inputs, device, capture)
 
     def summary(self) -> str:
         graphs = self.steps.graphs

@@ -62,10 +62,16 @@ class SplitPool:
     def split(self) -> bool:
         return len(self.parts) > 1
 
+    @property
+    def ipc_parts(self) -> bool:
+        """Whether parts of this pool are other processes' GPU memory, opened here through CUDA IPC (a split GPU
+        pool: each rank's part is its own, ``kvstore.ipc_pool``). NIXL is not asked to register such parts."""
+        return self.split and self.device.type == "cuda"
+
     def synchronize(self) -> None:
-        """Wait for this process's copies into a split GPU pool: its parts are other processes' memory (each
-        rank's own, opened here through CUDA IPC), whose next kernels do not wait for streams of ours."""
-        if self.split and self.device.type == "cuda":
+        """Wait for this process's copies into a pool of ``ipc_parts``, whose owners' next kernels do not wait
+        for streams of ours."""
+        if self.ipc_parts:
             for part in self.parts:
                 torch.cuda.synchronize(part.buffer.device)
 

@@ -79,9 +79,7 @@ class PrefillWorker(pb_grpc.PrefillServicer):
         engine.connect(HandoffConnector(runner.kv_pool, engine.config.block_size))  # every rank's heads move
         self.fingerprint = engine.prefix_salt  # the KV layout, of all heads (the same for every TP size)
         self.kv_heads = runner.kv_heads  # advertised: what each rank holds
-        # NIXL registers our pool's parts; a GPU rank's part is opened here through CUDA IPC, which it is not
-        # asked to register: a split GPU worker offers the other transports only
-        self._nixl = nixl_installed() and (engine.config.tensor_parallel_size == 1 or runner.device.type == "cpu")
+        self._nixl = nixl_installed() and not runner.kv_pool.ipc_parts  # (NIXL registers our pool's parts)
         self.destinations = Destinations(runner.kv_pool.spec, self.fingerprint, worker_id, security, registry,
                                          runner.device)  # fmt: skip
         self._jobs = JobQueue()
