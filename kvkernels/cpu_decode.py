@@ -34,7 +34,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode_attention.c", "cpu_decode_step.c")]
+HEADER = Path(__file__).with_name("cpu_lanes.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -117,10 +118,43 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise IndexError(f"store_kvcache: a slot outside the pool's {num_slots} slots")
 
 
+class Layer(ctypes.Structure):
+    """``struct layer`` of ``cpu_decode_step.c``: a decoder layer's tensors (None: the model has no such one)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o",
+                "post_norm", "gate_up", "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")]  # fmt: skip
+
+
+class Step(ctypes.Structure):
+    """``struct step`` of ``cpu_decode_step.c``: the model's sizes, its layers, and one decode step's inputs."""
+
+    _fields_ = [*((name, ctypes.c_int64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                "rotary_dim", "intermediate", "block_size", "num_slots")), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("threads", ctypes.c_int), ("layers", ctypes.POINTER(Layer)),
+                ("final_norm", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p), ("block_table", ctypes.c_void_p),
+                ("seq_len", ctypes.c_int32), ("slot", ctypes.c_int64),
+                ("x", ctypes.c_void_p), ("work", ctypes.c_void_p)]  # fmt: skip
+
+
+def step_work(step: Step) -> int:
+    """The floats of scratch ``decode_step`` needs for ``step``'s model."""
+    return _loaded[0].kvserve_decode_step_work_f32(ctypes.byref(step))
+
+
+def decode_step(step: Step) -> None:
+    """One sequence's decode step through every layer (``cpu_decode_step.c``), for ``available()`` processes:
+    ``step.x`` holds the token's embedding before and the final norm's output after."""
+    status = _loaded[0].kvserve_decode_step_f32(ctypes.byref(step))
+    if status == -1:
+        raise IndexError(f"decode step: slot {step.slot} outside the pool's {step.num_slots} slots")
+    if status != 0:
+        raise MemoryError("decode step: no memory for the sequence's attention scores")
+
+
 def _build_or_load(directory: Path) -> ctypes.CDLL | None:
     """The compiled kernel from ``directory``, built there now if no earlier process built it for this source
     and CPU; None without a compiler, or where the build fails (logged)."""
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
     path = directory / f"cpu_decode_attention-{key}.so"
     if not path.exists():
@@ -129,7 +163,7 @@ def _build_or_load(directory: Path) -> ctypes.CDLL | None:
             log.info("no C compiler: CPU decode attention runs the PyTorch reference")
             return None
         building = path.with_suffix(f".{os.getpid()}.tmp")  # then renamed: a concurrent build never loads half a file
-        result = subprocess.run([compiler, *FLAGS, "-o", str(building), str(SOURCE), "-lm"],
+        result = subprocess.run([compiler, *FLAGS, "-o", str(building), *map(str, SOURCES), "-lm"],
                                 capture_output=True, text=True)  # fmt: skip
         if result.returncode != 0:
             building.unlink(missing_ok=True)
@@ -145,6 +179,9 @@ def _build_or_load(directory: Path) -> ctypes.CDLL | None:
     store = library.kvserve_store_kv_f32
     store.restype = ctypes.c_int
     store.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
+    for name, restype in (("kvserve_decode_step_f32", ctypes.c_int), ("kvserve_decode_step_work_f32", ctypes.c_int64)):
+        getattr(library, name).restype = restype
+        getattr(library, name).argtypes = [ctypes.POINTER(Step)]
     return library
 
 

@@ -9,22 +9,9 @@
  * padding) gets zeros. Sums run in LANES partial sums combined in a fixed order, so the result does not depend
  * on the vector width the compiler picks (AVX2 or AVX-512 give the same bits). */
 
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "cpu_lanes.h"
 
-#define LANES 16
-
-/* Sixteen floats, written out as a vector so that the compiler emits vector instructions whatever its tuning
- * prefers (it left the plain loops scalar for some CPUs); unaligned loads through memcpy. */
-typedef float lanes __attribute__((vector_size(LANES * sizeof(float))));
-
-static inline lanes load(const float *p) {
-    lanes v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
+#include <omp.h>
 
 static float dot(const float *restrict a, const float *restrict b, int64_t n) {
     lanes partial = {0};
@@ -84,34 +71,6 @@ static void add_scaled(float *restrict acc, float p, const float *restrict v, in
         acc[d] += p * v[d];
 }
 
-typedef int32_t int_lanes __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-/* e^x for x <= 0, LANES at a time (libm's expf is one at a time: a sixth of the kernel's time at 16 sequences).
- * x = k ln2 + r with |r| <= ln2 / 2 (k rounded to nearest by the 1.5 * 2^23 trick; ln2 in two parts, as Cody
- * and Waite split it, so that r is exact), e^r by its Taylor polynomial to r^7 / 7! (the next term is under
- * 2e-9 of the result), times 2^k written into the exponent's bits; where 2^k would be subnormal (x below
- * about -87.3) the result is 0, where expf gives a subnormal. */
-static lanes exp_lanes(lanes x) {
-    const float round = 12582912.0f; /* 1.5 * 2^23 */
-    lanes k = (x * 1.44269504088896341f + round) - round;
-    lanes r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
-    lanes p = r * (1.0f / 5040) + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int_lanes scale = (__builtin_convertvector(k, int_lanes) + 127) << 23, bits;
-    lanes twos;
-    memcpy(&twos, &scale, sizeof twos);
-    p *= twos;
-    memcpy(&bits, &p, sizeof bits);
-    bits &= (int_lanes)(k >= -126.0f); /* (a comparison gives -1 in the lanes where it holds, else 0) */
-    memcpy(&p, &bits, sizeof p);
-    return p;
-}
-
 /* s[0..n) = e^(s - top), returning their sum (added in order, one at a time) */
 static float exp_shifted(float *s, int64_t n, float top) {
     int64_t t = 0;
@@ -155,6 +114,55 @@ static const float *next_row(const float *cache, const struct rows *r, int64_t t
     return row_at(cache, r, t);
 }
 
+/* One task's attention: its query heads (q: their rows, head h over the span's KV head h / group) over the
+ * sequence's tokens [first, last), read through r; scores holds heads * (last - first) floats. For each head,
+ * top = its largest score, total = the sum of e^(score - top), and o (zeroed by the caller) gets the sum of each
+ * token's V times e^(score - top), divided by total first where `normalize` (a whole sequence's task) and not
+ * where the caller combines several ranges (kvserve_decode_one_f32). */
+static void attend(const float *q, const float *k_cache, const float *v_cache, const struct rows *r, int64_t first,
+                   int64_t last, int64_t heads, int64_t group, int64_t head_dim, float scale, float *scores,
+                   float *top, float *total, float *o, int normalize) {
+    const int64_t n = last - first;
+    int64_t t = 0;
+    if (head_dim % LANES == 0) /* LANES tokens at a time, their sums transposed into one vector */
+        for (; t + LANES <= n; t += LANES) {
+            const float *k[LANES], *k_head[LANES];
+            for (int i = 0; i < LANES; i++)
+                k[i] = next_row(k_cache, r, first + t + i);
+            for (int64_t h = 0; h < heads; h++) {
+                for (int i = 0; i < LANES; i++)
+                    k_head[i] = k[i] + (h / group) * head_dim;
+                lanes sums[LANES];
+                partials(sums, q + h * head_dim, k_head, head_dim);
+                const lanes s = lane_sums(sums) * scale;
+                memcpy(scores + h * n + t, &s, sizeof s);
+            }
+        }
+    for (; t < n; t++) {
+        const float *k = next_row(k_cache, r, first + t);
+        for (int64_t h = 0; h < heads; h++)
+            scores[h * n + t] = dot(q + h * head_dim, k + (h / group) * head_dim, head_dim) * scale;
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        float *s = scores + h * n;
+        top[h] = s[0];
+        for (t = 1; t < n; t++)
+            top[h] = s[t] > top[h] ? s[t] : top[h];
+        total[h] = exp_shifted(s, n, top[h]);
+        for (t = 0; normalize && t < n; t++)
+            s[t] /= total[h];
+    }
+    for (t = 0; t < n; t++) {
+        const float *v = next_row(v_cache, r, first + t);
+        for (int64_t h = 0; h < heads; h++)
+            add_scaled(o + h * head_dim, scores[h * n + t], v + (h / group) * head_dim, head_dim);
+    }
+}
+
+static int64_t rows_ahead(int64_t width) { /* rows to prefetch ahead: ~2 KiB on */
+    return width * 4 >= 2048 ? 2 : (2048 + width * 4 - 1) / (width * 4);
+}
+
 /* Returns 0, or -1 where a score buffer could not be allocated (the caller raises). */
 int kvserve_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                              const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
@@ -166,61 +174,80 @@ int kvserve_paged_decode_f32(const float *q, const float *k_cache, const float *
      * when the sequences keep the threads busy, else one each. */
     const int64_t span = num_seqs >= 2 * num_threads ? num_kv_heads : 1, chunks = num_kv_heads / span;
     const int64_t width = span * head_dim, heads = span * group; /* floats of a row read; query heads */
-    const int64_t ahead = width * 4 >= 2048 ? 2 : (2048 + width * 4 - 1) / (width * 4); /* ~2 KiB on */
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t task = 0; task < num_seqs * chunks; task++) {
         const int64_t seq = task / chunks, first = (task % chunks) * span;
-        const int64_t offset = first * head_dim;                              /* of the span in a row */
         const int64_t q_row = (seq * num_kv_heads + first) * group * head_dim; /* its first query head */
         const int64_t len = seq_lens[seq];
         float *o = out + q_row;
         memset(o, 0, sizeof(float) * heads * head_dim);
         if (len <= 0)
             continue;
-        float *scores = malloc(sizeof(float) * heads * len); /* (heads, len) */
+        float *scores = malloc(sizeof(float) * heads * (len + 2)); /* (heads, len), then top and total */
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
             continue;
         }
         const struct rows rows = {block_tables + seq * table_stride, len, block_size, block_stride, token_stride,
-                                  offset, width, ahead};
-        int64_t t = 0;
-        if (head_dim % LANES == 0) /* LANES tokens at a time, their sums transposed into one vector */
-            for (; t + LANES <= len; t += LANES) {
-                const float *k[LANES], *k_head[LANES];
-                for (int i = 0; i < LANES; i++)
-                    k[i] = next_row(k_cache, &rows, t + i);
-                for (int64_t h = 0; h < heads; h++) {
-                    for (int i = 0; i < LANES; i++)
-                        k_head[i] = k[i] + (h / group) * head_dim;
-                    lanes sums[LANES];
-                    partials(sums, q + q_row + h * head_dim, k_head, head_dim);
-                    const lanes s = lane_sums(sums) * scale;
-                    memcpy(scores + h * len + t, &s, sizeof s);
-                }
-            }
-        for (; t < len; t++) {
-            const float *k = next_row(k_cache, &rows, t);
-            for (int64_t h = 0; h < heads; h++)
-                scores[h * len + t] = dot(q + q_row + h * head_dim, k + (h / group) * head_dim, head_dim) * scale;
+                                  first * head_dim, width, rows_ahead(width)};
+        float *top = scores + heads * len;
+        attend(q + q_row, k_cache, v_cache, &rows, 0, len, heads, group, head_dim, scale, scores, top, top + heads, o,
+               1);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+/* One sequence's decode attention (kvserve_paged_decode_f32's arguments for one sequence), the threads splitting
+ * its tokens rather than its KV heads: one sequence has too few KV heads to keep them evenly busy (3 on two
+ * threads, the bundled model's). Each CHUNK of tokens gives each head its top score, sum of exponentials and
+ * weighted V; the chunks combine in order, rescaled to the largest top, as split-KV decoding does on a GPU. The
+ * chunks do not depend on the thread count, so neither do the bits. Returns 0, or -1 where a buffer could not
+ * be allocated. */
+#define CHUNK 32
+int kvserve_decode_one_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_table,
+                           int32_t len, float *out, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                           int64_t block_size, float scale, int num_threads) {
+    const int64_t width = num_kv_heads * head_dim, heads = num_kv_heads * group, part = heads * (head_dim + 2);
+    const int64_t chunks = (len + CHUNK - 1) / CHUNK;
+    memset(out, 0, sizeof(float) * heads * head_dim);
+    if (len <= 0)
+        return 0;
+    float *parts = calloc((size_t)chunks * part, sizeof(float)); /* each chunk's (top, total, o) */
+    int failed = parts == NULL;
+    const struct rows rows = {block_table, len, block_size, block_size * width, width, 0, width, rows_ahead(width)};
+#pragma omp parallel num_threads(num_threads) if (!failed)
+    {
+        float *scores = malloc(sizeof(float) * heads * CHUNK);
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
         }
-        for (int64_t h = 0; h < heads; h++) {
-            float *s = scores + h * len, top = s[0];
-            for (int64_t t = 1; t < len; t++)
-                top = s[t] > top ? s[t] : top;
-            const float total = exp_shifted(s, len, top);
-            for (int64_t t = 0; t < len; t++)
-                s[t] /= total;
-        }
-        for (int64_t t = 0; t < len; t++) {
-            const float *v = next_row(v_cache, &rows, t);
-            for (int64_t h = 0; h < heads; h++)
-                add_scaled(o + h * head_dim, scores[h * len + t], v + (h / group) * head_dim, head_dim);
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < chunks; c++) {
+            float *top = parts + c * part, *total = top + heads;
+            if (scores != NULL)
+                attend(q, k_cache, v_cache, &rows, c * CHUNK, c * CHUNK + CHUNK < len ? c * CHUNK + CHUNK : len, heads,
+                       group, head_dim, scale, scores, top, total, total + heads, 0);
         }
         free(scores);
     }
+    for (int64_t h = 0; h < heads && !failed; h++) {
+        float best = parts[h], sum = 0.0f, *o = out + h * head_dim;
+        for (int64_t c = 1; c < chunks; c++)
+            best = parts[c * part + h] > best ? parts[c * part + h] : best;
+        for (int64_t c = 0; c < chunks; c++) {
+            const float *top = parts + c * part, *total = top + heads, *acc = total + heads + h * head_dim;
+            const float weight = expf(top[h] - best);
+            sum += weight * total[h];
+            add_scaled(o, weight, acc, head_dim);
+        }
+        for (int64_t d = 0; d < head_dim; d++)
+            o[d] /= sum;
+    }
+    free(parts);
     return failed ? -1 : 0;
 }
 

@@ -156,6 +156,9 @@ class CompiledDecode:
         head = model.lm_head.weight
         plain = config.final_logit_softcapping is None and head.dtype == torch.float32
         self.greedy = GreedyHead(head) if plain else None
+        from engine.models.native_decode import NativeDecode, refusal
+
+        self.native = NativeDecode(model, kv_layers) if refusal(model, kv_layers) is None else None
         began = time.perf_counter()
         block_size = kv_layers[0].k_cache.shape[1]
         model.compiled = self

@@ -1,9 +1,10 @@
-"""``compile_decode``: one sequence's decode steps run through ``torch.compile`` (``engine.models.compiled_decode``'s
+"""``compile_decode``: one sequence's decode steps run their layers in one C call (``NativeDecode``), or through
+``torch.compile`` where that is off, and their LM head compiled (``engine.models.compiled_decode``'s
 ``CompiledDecode``). Here, not in tests/engine/, because inductor starts the C++ compiler.
 
-The compiled step sums in other orders than the eager one (fused loops, its own reductions), so its greedy
-tokens are compared with transformers', as every engine path's are; and once compiled at start, growing
-sequences never compile again (a recompile would stall a request for seconds)."""
+Both sum in other orders than the eager step (fused loops, their own reductions), so their greedy tokens are
+compared with transformers', as every engine path's are; and once compiled at start, growing sequences never
+compile again (a recompile would stall a request for seconds)."""
 
 from __future__ import annotations
 
@@ -32,26 +33,59 @@ def _run_alone(engine: LLMEngine, prompt: list[int]) -> list[int]:
     return tokens
 
 
-def test_one_sequence_decodes_compiled_and_gives_transformers_tokens(engine, engine_prompts, hf_greedy):
+@pytest.fixture(scope="module")
+def inductor_engine() -> LLMEngine:
+    """An engine whose decode layers run inductor's graph, as where the C kernels are off (``KVSERVE_CPU_KERNELS=0``,
+    as here) or refuse the model (``native_decode.refusal``: a bfloat16 model)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSERVE_CPU_KERNELS", "0")
+        engine = LLMEngine(model="default", device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_blocks=256,
+                           max_num_seqs=8, compile_decode=True)  # fmt: skip
+    assert engine.runner.model.compiled.native is None
+    return engine
+
+
+def _decode_counted(engine: LLMEngine, prompts: list[list[int]], want: list[list[int]]) -> dict[str, int]:
+    """Each prompt alone, its greedy tokens checked against transformers'; the calls of each compiled part."""
     compiled = engine.runner.model.compiled
-    assert compiled is not None and compiled.compile_s > 0
     frames = counters["stats"]["unique_graphs"]
-    calls, heads, greedy_heads = [], [], []
-    real_layer, real_logits, real_greedy = compiled.layer, compiled.logits, compiled.greedy
-    compiled.layer = lambda *args: calls.append(1) or real_layer(*args)
-    compiled.logits = lambda *args: heads.append(1) or real_logits(*args)
-    compiled.greedy = lambda *args: greedy_heads.append(1) or real_greedy(*args)
+    calls = dict.fromkeys(("native", "layer", "logits", "greedy"), 0)
+    real = {name: getattr(compiled, name) for name in calls}
+
+    def counted(name):
+        def call(*args):
+            calls[name] += 1
+            return real[name](*args)
+
+        return None if real[name] is None else call
+
+    for name in calls:
+        setattr(compiled, name, counted(name))
     try:
-        for prompt, want in zip(engine_prompts, hf_greedy, strict=True):
-            assert _run_alone(engine, prompt) == want, f"prompt of {len(prompt)} tokens"
+        for prompt, tokens in zip(prompts, want, strict=True):
+            assert _run_alone(engine, prompt) == tokens, f"prompt of {len(prompt)} tokens"
     finally:
-        compiled.layer, compiled.logits, compiled.greedy = real_layer, real_logits, real_greedy
-    layers = engine.model_config.num_layers
-    decode_steps = sum(len(w) - 1 for w in hf_greedy)  # (each first token comes from the prefill)
-    assert len(calls) == decode_steps * layers  # every decode step ran compiled
-    assert len(greedy_heads) == decode_steps  # each decode step's token through the bfloat16 head
-    assert len(heads) == len(hf_greedy)  # the prefills' first tokens through the compiled float32 head
+        for name, function in real.items():
+            setattr(compiled, name, function)
     assert counters["stats"]["unique_graphs"] == frames, "a decode step compiled again after the start"
+    return calls
+
+
+def test_one_sequence_decodes_in_one_c_call_and_gives_transformers_tokens(engine, engine_prompts, hf_greedy):
+    compiled = engine.runner.model.compiled
+    assert compiled is not None and compiled.compile_s > 0 and compiled.native is not None
+    calls = _decode_counted(engine, engine_prompts, hf_greedy)
+    decode_steps = sum(len(w) - 1 for w in hf_greedy)  # (each first token comes from the prefill)
+    assert calls["native"] == decode_steps and calls["layer"] == 0  # every decode step ran in the C step
+    assert calls["greedy"] == decode_steps  # each decode step's token through the bfloat16 head
+    assert calls["logits"] == len(hf_greedy)  # the prefills' first tokens through the compiled float32 head
+
+
+def test_one_sequence_decodes_through_inductor_where_the_c_step_is_off(inductor_engine, engine_prompts, hf_greedy):
+    calls = _decode_counted(inductor_engine, engine_prompts[:3], hf_greedy[:3])
+    decode_steps = sum(len(w) - 1 for w in hf_greedy[:3])
+    assert calls["layer"] == decode_steps * inductor_engine.model_config.num_layers and calls["native"] == 0
+    assert calls["greedy"] == decode_steps
 
 
 def test_the_bfloat16_head_takes_the_float32_argmax_where_bfloat16_rounding_reverses_two_rows(engine):
@@ -109,7 +143,7 @@ def test_a_batch_of_several_decodes_eagerly_with_the_same_tokens(engine, engine_
     def refuse(*args):
         raise AssertionError("a batch of 4 ran compiled")
 
-    monkeypatch.setattr(engine.runner.model.compiled, "layer", refuse)
+    monkeypatch.setattr(engine.runner.model.compiled, "native", refuse)
     monkeypatch.setattr(engine.runner.model.compiled, "logits", refuse)
     monkeypatch.setattr(engine.runner.model.compiled, "greedy", refuse)
     ids = [engine.add_request(p, greedy()) for p in engine_prompts[:4]]

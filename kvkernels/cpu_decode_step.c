@@ -1,0 +1,180 @@
+/* One sequence's decode step through every decoder layer of a Llama-family model on the CPU, float32, in one
+ * call. Built with cpu_decode_attention.c into one library by kvkernels/cpu_decode.py;
+ * engine/models/native_decode.py says why this exists and which models take it.
+ *
+ * A layer: RMSNorm of the residual stream, the q/k/v product (and its bias), an RMSNorm of each q and k head
+ * where the model has one, rotate-half RoPE of the leading rotary_dim dims, the new token's K and V into its
+ * slot, paged attention over the sequence (kvserve_decode_one_f32), o_proj, RMSNorm, the gate/up product with
+ * SiLU(gate) * up, down_proj; the final RMSNorm after the last layer. Each product is a matrix-vector product
+ * whose rows the threads split in contiguous ranges, each row summed in four vectors of lanes; everything else
+ * is a few thousand floats, on the calling thread. The math is the PyTorch layers' in float32, summed in
+ * another order (as any two kernels' sums are). */
+
+#include "cpu_lanes.h"
+
+#include <omp.h>
+
+struct layer { /* one decoder layer's tensors, contiguous float32; a NULL bias or head norm: the model has none */
+    const float *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *post_norm, *gate_up, *gate_up_bias, *down,
+        *down_bias;
+    float *k_cache, *v_cache; /* (blocks, block_size, kv_heads, head_dim) */
+};
+
+struct step {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, block_size, num_slots;
+    float eps, scale;
+    int threads;
+    const struct layer *layers;
+    const float *final_norm;
+    const float *cos_sin;       /* (rotary_dim,): the new token's cosines, then its sines */
+    const int32_t *block_table; /* the sequence's blocks */
+    int32_t seq_len;            /* the tokens the sequence holds, the new one included */
+    int64_t slot;               /* the new token's slot in the caches */
+    float *x;                   /* in: the token's embedding; out: the last layer's output, normed */
+    float *work;                /* kvserve_decode_step_work_f32(...) floats of scratch */
+};
+
+static float sum_lanes(lanes v) {
+    float s[LANES];
+    memcpy(s, &v, sizeof s);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; j++)
+            s[j] += s[j + width];
+    return s[0];
+}
+
+/* a . x over n floats, in four vectors of partial sums: one row of a product, read front to back once */
+static float row_dot(const float *restrict a, const float *restrict x, int64_t n) {
+    lanes s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    int64_t i = 0;
+    for (; i + 4 * LANES <= n; i += 4 * LANES) {
+        s0 += load(a + i) * load(x + i);
+        s1 += load(a + i + LANES) * load(x + i + LANES);
+        s2 += load(a + i + 2 * LANES) * load(x + i + 2 * LANES);
+        s3 += load(a + i + 3 * LANES) * load(x + i + 3 * LANES);
+    }
+    for (; i + LANES <= n; i += LANES)
+        s0 += load(a + i) * load(x + i);
+    float total = sum_lanes((s0 + s1) + (s2 + s3));
+    for (; i < n; i++)
+        total += a[i] * x[i];
+    return total;
+}
+
+/* this thread's rows [*first, *last) of n, in multiples of `align` but the last thread's end */
+static void my_rows(int64_t n, int64_t align, int64_t *first, int64_t *last) {
+    const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+    *first = n * t / threads / align * align;
+    *last = t == threads - 1 ? n : n * (t + 1) / threads / align * align;
+}
+
+/* y (n) = w (n, k) x (+ bias) */
+static void product(const float *w, const float *bias, const float *x, float *y, int64_t n, int64_t k, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t first, last;
+        my_rows(n, 1, &first, &last);
+        for (int64_t r = first; r < last; r++)
+            y[r] = row_dot(w + r * k, x, k) + (bias ? bias[r] : 0.0f);
+    }
+}
+
+/* act (inter) = SiLU(gate) * up, where gate and up are the two halves of w (2 inter, k) x (+ bias); up is
+ * scratch. SiLU(g) = g / (1 + e^-g), with e^-|g| from exp_lanes: g e^g / (1 + e^g) where g < 0. */
+static void gated(const float *w, const float *bias, const float *x, float *act, float *up, int64_t inter, int64_t k,
+                  int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t first, last;
+        my_rows(inter, LANES, &first, &last);
+        for (int64_t r = first; r < last; r++) {
+            act[r] = row_dot(w + r * k, x, k) + (bias ? bias[r] : 0.0f);
+            up[r] = row_dot(w + (inter + r) * k, x, k) + (bias ? bias[inter + r] : 0.0f);
+        }
+        int64_t r = first;
+        for (; r + LANES <= last; r += LANES) {
+            const lanes g = load(act + r);
+            int_lanes bits;
+            lanes negative;
+            memcpy(&bits, &g, sizeof bits);
+            bits |= INT32_MIN; /* the sign bit: -|g| */
+            memcpy(&negative, &bits, sizeof negative);
+            const lanes e = exp_lanes(negative);
+            const lanes positive = __builtin_convertvector(-(g >= 0.0f), lanes); /* 1 or 0 */
+            const lanes silu = g * (positive + (1.0f - positive) * e) / (1.0f + e) * load(up + r);
+            memcpy(act + r, &silu, sizeof silu);
+        }
+        for (; r < last; r++)
+            act[r] = act[r] / (1.0f + expf(-act[r])) * up[r];
+    }
+}
+
+/* residual = x (+ residual); out = w * (residual / rms(residual)), as transformers' RMSNorm in float32 */
+static void add_norm(const float *x, float *residual, int add, const float *w, float *out, int64_t n, float eps) {
+    lanes squares = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const lanes r = add ? load(x + i) + load(residual + i) : load(x + i);
+        memcpy(residual + i, &r, sizeof r);
+        squares += r * r;
+    }
+    float total = sum_lanes(squares);
+    for (; i < n; i++) {
+        residual[i] = add ? x[i] + residual[i] : x[i];
+        total += residual[i] * residual[i];
+    }
+    const float inverse = 1.0f / sqrtf(total / n + eps);
+    for (i = 0; i < n; i++)
+        out[i] = w[i] * (residual[i] * inverse);
+}
+
+/* each of `heads` heads of v: RMSNorm by w (if any), then rotate-half RoPE of its leading rotary_dim dims */
+static void norm_rotate(float *v, int64_t heads, int64_t head_dim, const float *w, float eps, const float *cos_sin,
+                        int64_t rotary_dim) {
+    const int64_t half = rotary_dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *head = v + h * head_dim;
+        if (w != NULL)
+            add_norm(head, head, 0, w, head, head_dim, eps);
+        for (int64_t j = 0; j < half; j++) {
+            const float x1 = head[j], x2 = head[j + half], cos = cos_sin[j], sin = cos_sin[half + j];
+            head[j] = x1 * cos - x2 * sin;
+            head[j + half] = x2 * cos + x1 * sin;
+        }
+    }
+}
+
+int64_t kvserve_decode_step_work_f32(const struct step *s) {
+    return 2 * s->hidden + (s->num_heads + 2 * s->num_kv_heads) * s->head_dim + s->num_heads * s->head_dim +
+           2 * s->intermediate;
+}
+
+/* Returns 0; -1 where the slot lies outside the caches (nothing is written then), -2 where attention could not
+ * allocate its scores. */
+int kvserve_decode_step_f32(const struct step *s) {
+    const int64_t hidden = s->hidden, q_size = s->num_heads * s->head_dim, kv_size = s->num_kv_heads * s->head_dim;
+    if (s->slot < 0 || s->slot >= s->num_slots)
+        return -1;
+    float *residual = s->work, *h = residual + hidden, *qkv = h + hidden, *attn = qkv + q_size + 2 * kv_size;
+    float *act = attn + q_size, *up = act + s->intermediate;
+    float *q = qkv, *k = qkv + q_size, *v = k + kv_size;
+    for (int64_t l = 0; l < s->num_layers; l++) {
+        const struct layer *w = s->layers + l;
+        add_norm(s->x, residual, l > 0, w->input_norm, h, hidden, s->eps);
+        product(w->qkv, w->qkv_bias, h, qkv, q_size + 2 * kv_size, hidden, s->threads);
+        norm_rotate(q, s->num_heads, s->head_dim, w->q_norm, s->eps, s->cos_sin, s->rotary_dim);
+        norm_rotate(k, s->num_kv_heads, s->head_dim, w->k_norm, s->eps, s->cos_sin, s->rotary_dim);
+        memcpy(w->k_cache + s->slot * kv_size, k, sizeof(float) * kv_size);
+        memcpy(w->v_cache + s->slot * kv_size, v, sizeof(float) * kv_size);
+        if (kvserve_decode_one_f32(q, w->k_cache, w->v_cache, s->block_table, s->seq_len, attn, s->num_kv_heads,
+                                   s->num_heads / s->num_kv_heads, s->head_dim, s->block_size, s->scale,
+                                   s->threads) != 0)
+            return -2;
+        product(w->o, NULL, attn, s->x, hidden, q_size, s->threads);
+        add_norm(s->x, residual, 1, w->post_norm, h, hidden, s->eps);
+        gated(w->gate_up, w->gate_up_bias, h, act, up, s->intermediate, hidden, s->threads);
+        product(w->down, w->down_bias, act, s->x, hidden, s->intermediate, s->threads);
+    }
+    add_norm(s->x, residual, 1, s->final_norm, s->x, hidden, s->eps);
+    return 0;
+}
