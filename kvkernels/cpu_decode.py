@@ -1,6 +1,8 @@
 """Paged decode attention on the CPU as a small C kernel (``cpu_decode_attention.c``), built on first use, and
 the store of new tokens' K/V beside it (``store_kv``: one C call a layer where the reference makes about ten
-ATen calls, 5 of a batch-16 step's 70 ms on the bundled model).
+ATen calls, 5 of a batch-16 step's 70 ms on the bundled model). The same library holds one sequence's whole
+decode step through every layer (``cpu_decode_step.c``, ``decode_step``; ``engine.models.native_decode`` says
+why), whose attention splits the sequence's tokens among the threads (``kvserve_decode_one_f32``).
 
 Why: the reference gathers each sequence's blocks into a padded copy (``index_select``) and calls SDPA, whose
 CPU kernel is written for long query blocks. A decode step brings one query per sequence, so both cost far
@@ -13,7 +15,7 @@ without CUDA measures the two side by side: 11-13 GB/s against 2-5 at 16-64 sequ
 It runs float32 pools on the CPU, without int8 scales or windows, once a process has ``prepare``d it: built
 with ``-O3 -march=native`` by a C compiler with OpenMP (``cc``, as inductor needs one too), or loaded where an
 earlier process built it. Everything else takes the reference, and so does every process without a compiler
-or with ``KVSERVE_CPU_KERNELS=0``. The library is named by a hash of the source, the flags and the CPU's flags
+or with ``KVSERVE_CPU_KERNELS=0``. The library is named by a hash of the sources, the flags and the CPU's flags
 (a host with another CPU builds its own), in a directory the caller guarantees private to this user: it is
 code this process runs, so nobody else may be able to put a file there (an engine uses its cache directory,
 checked by ``kvstore.private_dir``).

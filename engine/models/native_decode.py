@@ -44,11 +44,15 @@ class NativeDecode:
 
     One user's decode step reads every weight once and does two FLOPs a weight: its time is the weights' bytes
     over the memory bandwidth, if the code keeps up with the memory. Inductor's code for a layer did not: it sums
-    each row of a product in one chain of vector adds (a dependent add every four cycles) and rebuilds the
-    normed input inside the row's loop, and each layer costs a Python call with a few dozen size checks and
-    buffer allocations. In the host's faster bandwidth mode its step took 17-18 ms where reading the weights
-    took 12. Here a row is summed in four independent vectors, the threads split each product's rows in two
-    contiguous ranges, and the 30 layers are one call; attention is ``kvserve_paged_decode_f32``.
+    each row of a product in one chain of vector adds (a dependent add every four cycles), rebuilds the normed
+    input inside the row's loop, and each layer is a Python call with a few dozen size checks and buffer
+    allocations. Here a row is summed in four independent vectors, the threads split each product's rows in
+    two contiguous ranges, the 30 layers are one call, and attention splits the sequence's tokens among the
+    threads (``kvserve_decode_one_f32``: a sequence's 3 KV heads kept two threads unevenly busy, 1.4 against
+    1.0 ms a step). On the bundled model, one engine alternating the two: 18.2 against 20.8 ms a step in this
+    host's slower bandwidth mode, 15.6-16.0 against 19.2-19.9 in its faster one, the same tokens. A step's
+    products then read at the speed of ``torch.sum`` over the same tensors; a single stream over all of them
+    reads about a third faster in the faster mode (the threads wait for each other at each of 120 products).
 
     Llama-family layers (RMSNorm, q/k/v and MLP biases, q/k head norms, partial rotary, SiLU gated MLP) over a
     float32 KV pool without scales or windows; ``refusal`` says what else decodes through inductor's graph.

@@ -26,7 +26,7 @@ LAYOUTS = {  # what each adds to the bundled Llama's layers
     "phi3 (partial rotary, heads of 24)": ("phi-3-mini", dict(TINY, hidden_size=96, partial_rotary_factor=0.75,
                                                                sliding_window=None, rope_scaling=None)),
 }  # fmt: skip
-PROMPT_LEN, TABLE = 37, [5, 2, 9]  # three blocks of 16, out of order
+TABLE = [5, 2, 9, 0, 12]  # blocks of 16, out of order
 
 
 @pytest.fixture(scope="module", params=["llama (bundled)", *LAYOUTS])
@@ -58,22 +58,24 @@ def _native_logits(engine: LLMEngine, native: NativeDecode, token: int, position
     return model.compute_logits(native(x, cos_sin, runner.kv_cache.layers, meta))
 
 
-def test_a_step_gives_the_eager_layers_logits_and_kv(engine):
+@pytest.mark.parametrize("prompt_len", [0, 37, 70])  # attention over 1 token, 2 and 3 chunks of 32 (the last short)
+def test_a_step_gives_the_eager_layers_logits_and_kv(engine, prompt_len):
     runner, vocab = engine.runner, engine.model_config.vocab_size
     assert refusal(runner.model, runner.kv_cache.layers) is None
     native = NativeDecode(runner.model, runner.kv_cache.layers)
-    prompt = torch.randint(3, vocab, (PROMPT_LEN + 1,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(3, vocab, (prompt_len + 1,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
-        forward_tokens(runner, prompt[:-1], 0, TABLE)
+        if prompt_len:
+            forward_tokens(runner, prompt[:-1], 0, TABLE)
         before = _pool(engine)
-        want = forward_tokens(runner, prompt[-1:], PROMPT_LEN, TABLE)[0]
+        want = forward_tokens(runner, prompt[-1:], prompt_len, TABLE)[0]
         eager_pool = _pool(engine)
         _restore(engine, before)
-        got = _native_logits(engine, native, prompt[-1], PROMPT_LEN)[0]
+        got = _native_logits(engine, native, prompt[-1], prompt_len)[0]
         native_pool = _pool(engine)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
         assert int(got.argmax()) == int(want.argmax())
-        slot = TABLE[PROMPT_LEN // BLOCK_SIZE], PROMPT_LEN % BLOCK_SIZE
+        slot = TABLE[prompt_len // BLOCK_SIZE], prompt_len % BLOCK_SIZE
         for saved, eager, written in zip(before, eager_pool, native_pool, strict=True):
             torch.testing.assert_close(written[slot], eager[slot], rtol=0,
                                        atol=KV_TOLERANCE * float(eager[slot].abs().max()))  # (engine_testing's)
@@ -86,7 +88,7 @@ def test_a_step_gives_the_eager_layers_logits_and_kv(engine):
             for count in (1, 2, 3):
                 torch.set_num_threads(count)
                 _restore(engine, before)
-                assert torch.equal(_native_logits(engine, native, prompt[-1], PROMPT_LEN)[0], got), count
+                assert torch.equal(_native_logits(engine, native, prompt[-1], prompt_len)[0], got), count
         finally:
             torch.set_num_threads(threads)
 
