@@ -135,12 +135,29 @@ class Step(ctypes.Structure):
                 ("scale", ctypes.c_float), ("threads", ctypes.c_int), ("layers", ctypes.POINTER(Layer)),
                 ("final_norm", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p), ("block_table", ctypes.c_void_p),
                 ("seq_len", ctypes.c_int32), ("slot", ctypes.c_int64),
-                ("x", ctypes.c_void_p), ("work", ctypes.c_void_p)]  # fmt: skip
+                ("x", ctypes.c_void_p), ("work", ctypes.c_void_p), ("parts", ctypes.POINTER(ctypes.c_void_p)),
+                ("num_parts", ctypes.c_int64)]  # fmt: skip
 
 
 def step_work(step: Step) -> int:
     """The floats of scratch ``decode_step`` needs for ``step``'s model."""
     return _loaded[0].kvserve_decode_step_work_f32(ctypes.byref(step))
+
+
+def pack_step(step: Step, parts: int) -> list[torch.Tensor]:
+    """The layers' matrices (``step.layers``') as ``decode_step`` reads them, in ``parts`` streams, one a thread
+    (``kvserve_decode_step_pack_f32`` says why); ``step`` reads them from now on. The caller keeps the tensors
+    (and ``step``'s array of their addresses, ``step._streams``) alive."""
+    if not 1 <= parts <= 64:
+        raise ValueError(f"decode step: {parts} streams; 1 to 64")
+    step.num_parts = parts
+    sizes = (ctypes.c_int64 * parts)()
+    _loaded[0].kvserve_decode_step_pack_f32(ctypes.byref(step), None, sizes)
+    streams = [torch.empty(size) for size in sizes]
+    addresses = (ctypes.c_void_p * parts)(*(t.data_ptr() for t in streams))
+    _loaded[0].kvserve_decode_step_pack_f32(ctypes.byref(step), addresses, sizes)
+    step.parts, step._streams = addresses, addresses
+    return streams
 
 
 def decode_step(step: Step) -> None:
@@ -184,6 +201,9 @@ def _build_or_load(directory: Path) -> ctypes.CDLL | None:
     for name, restype in (("kvserve_decode_step_f32", ctypes.c_int), ("kvserve_decode_step_work_f32", ctypes.c_int64)):
         getattr(library, name).restype = restype
         getattr(library, name).argtypes = [ctypes.POINTER(Step)]
+    pack = library.kvserve_decode_step_pack_f32
+    pack.restype = ctypes.c_int
+    pack.argtypes = [ctypes.POINTER(Step), ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)]
     return library
 
 

@@ -32,6 +32,8 @@ struct step {
     int64_t slot;               /* the new token's slot in the caches */
     float *x;                   /* in: the token's embedding; out: the last layer's output, normed */
     float *work;                /* kvserve_decode_step_work_f32(...) floats of scratch */
+    const float *const *parts;  /* the layers' matrices in num_parts streams (kvserve_decode_step_pack_f32) */
+    int64_t num_parts;
 };
 
 static float sum_lanes(lanes v) {
@@ -61,35 +63,61 @@ static float row_dot(const float *restrict a, const float *restrict x, int64_t n
     return total;
 }
 
-/* this thread's rows [*first, *last) of n, in multiples of `align` but the last thread's end */
-static void my_rows(int64_t n, int64_t align, int64_t *first, int64_t *last) {
-    const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
-    *first = n * t / threads / align * align;
-    *last = t == threads - 1 ? n : n * (t + 1) / threads / align * align;
+/* Part `part`'s rows [*first, *last) of a product of n rows: the parts split them evenly, in multiples of `align`
+ * but the last part's end. */
+static void part_rows(int64_t n, int64_t align, int64_t part, int64_t parts, int64_t *first, int64_t *last) {
+    *first = n * part / parts / align * align;
+    *last = part == parts - 1 ? n : n * (part + 1) / parts / align * align;
 }
 
-/* y (n) = w (n, k) x (+ bias) */
-static void product(const float *w, const float *bias, const float *x, float *y, int64_t n, int64_t k, int threads) {
-#pragma omp parallel num_threads(threads)
-    {
+/* Where each part's stream is: the floats of it that the products so far read. */
+struct streams {
+    const float *const *parts;
+    int64_t count, read[64];
+};
+
+/* Each part's rows of one product, `per_row` floats a row, in the order the step reads them: rows [first, last)
+ * of each of `sources` matrices of k columns (gate/up: a row of gate, then the same row of up), appended to
+ * dest[part] (where not NULL); adds the floats to read[part]. */
+static void pack(const float *const *sources, int n_sources, int64_t n, int64_t k, int64_t align, float **dest,
+                 int64_t *read, int64_t parts) {
+    for (int64_t part = 0; part < parts; part++) {
         int64_t first, last;
-        my_rows(n, 1, &first, &last);
+        part_rows(n, align, part, parts, &first, &last);
         for (int64_t r = first; r < last; r++)
-            y[r] = row_dot(w + r * k, x, k) + (bias ? bias[r] : 0.0f);
+            for (int i = 0; i < n_sources; i++, read[part] += k)
+                if (dest != NULL)
+                    memcpy(dest[part] + read[part], sources[i] + r * k, sizeof(float) * k);
     }
 }
 
-/* act (inter) = SiLU(gate) * up, where gate and up are the two halves of w (2 inter, k) x (+ bias); up is
- * scratch. SiLU(g) = g / (1 + e^-g), with e^-|g| from exp_lanes: g e^g / (1 + e^g) where g < 0. */
-static void gated(const float *w, const float *bias, const float *x, float *act, float *up, int64_t inter, int64_t k,
-                  int threads) {
+/* y (n) = w (n, k) x (+ bias), w's rows read from the parts' streams (a thread a part, or several parts) */
+static void product(struct streams *w, const float *bias, const float *x, float *y, int64_t n, int64_t k,
+                    int threads) {
 #pragma omp parallel num_threads(threads)
-    {
+    for (int64_t part = omp_get_thread_num(); part < w->count; part += omp_get_num_threads()) {
         int64_t first, last;
-        my_rows(inter, LANES, &first, &last);
+        part_rows(n, 1, part, w->count, &first, &last);
+        const float *rows = w->parts[part] + w->read[part];
+        for (int64_t r = first; r < last; r++)
+            y[r] = row_dot(rows + (r - first) * k, x, k) + (bias ? bias[r] : 0.0f);
+    }
+    pack(NULL, 1, n, k, 1, NULL, w->read, w->count);
+}
+
+/* act (inter) = SiLU(gate) * up, where gate and up are the two halves of the gate/up product (2 inter rows of k,
+ * read as pairs of rows from the parts' streams) (+ bias); up is scratch. SiLU(g) = g / (1 + e^-g), with e^-|g|
+ * from exp_lanes: g e^g / (1 + e^g) where g < 0. */
+static void gated(struct streams *w, const float *bias, const float *x, float *act, float *up, int64_t inter,
+                  int64_t k, int threads) {
+#pragma omp parallel num_threads(threads)
+    for (int64_t part = omp_get_thread_num(); part < w->count; part += omp_get_num_threads()) {
+        int64_t first, last;
+        part_rows(inter, LANES, part, w->count, &first, &last);
+        const float *rows = w->parts[part] + w->read[part];
         for (int64_t r = first; r < last; r++) {
-            act[r] = row_dot(w + r * k, x, k) + (bias ? bias[r] : 0.0f);
-            up[r] = row_dot(w + (inter + r) * k, x, k) + (bias ? bias[inter + r] : 0.0f);
+            act[r] = row_dot(rows + (r - first) * 2 * k, x, k) + (bias ? bias[r] : 0.0f);
+            up[r] = row_dot(rows + ((r - first) * 2 + 1) * k, x, k) + (bias ? bias[inter + r] : 0.0f);
         }
         int64_t r = first;
         for (; r + LANES <= last; r += LANES) {
@@ -107,6 +135,7 @@ static void gated(const float *w, const float *bias, const float *x, float *act,
         for (; r < last; r++)
             act[r] = act[r] / (1.0f + expf(-act[r])) * up[r];
     }
+    pack(NULL, 2, inter, k, LANES, NULL, w->read, w->count);
 }
 
 /* residual = x (+ residual); out = w * (residual / rms(residual)), as transformers' RMSNorm in float32 */
@@ -149,19 +178,43 @@ int64_t kvserve_decode_step_work_f32(const struct step *s) {
            2 * s->intermediate;
 }
 
+/* The layers' matrices (the layer structs' qkv, o, gate_up, down) as the step reads them, in num_parts streams:
+ * stream p holds part p's rows of each product in turn, so that the thread that reads it reads one run of memory
+ * from the first layer to the last, as a single stream over all the weights does (a third faster in this host's
+ * faster bandwidth mode than each thread's half of each matrix in turn, which jumps 120 times a step).
+ * dest[p] (where not NULL) gets stream p; sizes[p] gets its floats. Returns 0, -3 for a count outside 1..64. */
+int kvserve_decode_step_pack_f32(const struct step *s, float **dest, int64_t *sizes) {
+    if (s->num_parts < 1 || s->num_parts > 64)
+        return -3;
+    const int64_t hidden = s->hidden, q_size = s->num_heads * s->head_dim, kv_size = s->num_kv_heads * s->head_dim;
+    memset(sizes, 0, sizeof(int64_t) * s->num_parts);
+    for (int64_t l = 0; l < s->num_layers; l++) {
+        const struct layer *w = s->layers + l;
+        const float *gate_up[2] = {w->gate_up, w->gate_up + s->intermediate * hidden};
+        pack(&w->qkv, 1, q_size + 2 * kv_size, hidden, 1, dest, sizes, s->num_parts);
+        pack(&w->o, 1, hidden, q_size, 1, dest, sizes, s->num_parts);
+        pack(gate_up, 2, s->intermediate, hidden, LANES, dest, sizes, s->num_parts);
+        pack(&w->down, 1, hidden, s->intermediate, 1, dest, sizes, s->num_parts);
+    }
+    return 0;
+}
+
 /* Returns 0; -1 where the slot lies outside the caches (nothing is written then), -2 where attention could not
- * allocate its scores. */
+ * allocate its scores, -3 for a count of parts outside 1..64. */
 int kvserve_decode_step_f32(const struct step *s) {
+    if (s->num_parts < 1 || s->num_parts > 64)
+        return -3;
     const int64_t hidden = s->hidden, q_size = s->num_heads * s->head_dim, kv_size = s->num_kv_heads * s->head_dim;
     if (s->slot < 0 || s->slot >= s->num_slots)
         return -1;
     float *residual = s->work, *h = residual + hidden, *qkv = h + hidden, *attn = qkv + q_size + 2 * kv_size;
     float *act = attn + q_size, *up = act + s->intermediate;
     float *q = qkv, *k = qkv + q_size, *v = k + kv_size;
+    struct streams w_all = {s->parts, s->num_parts, {0}};
     for (int64_t l = 0; l < s->num_layers; l++) {
         const struct layer *w = s->layers + l;
         add_norm(s->x, residual, l > 0, w->input_norm, h, hidden, s->eps);
-        product(w->qkv, w->qkv_bias, h, qkv, q_size + 2 * kv_size, hidden, s->threads);
+        product(&w_all, w->qkv_bias, h, qkv, q_size + 2 * kv_size, hidden, s->threads);
         norm_rotate(q, s->num_heads, s->head_dim, w->q_norm, s->eps, s->cos_sin, s->rotary_dim);
         norm_rotate(k, s->num_kv_heads, s->head_dim, w->k_norm, s->eps, s->cos_sin, s->rotary_dim);
         memcpy(w->k_cache + s->slot * kv_size, k, sizeof(float) * kv_size);
@@ -170,10 +223,10 @@ int kvserve_decode_step_f32(const struct step *s) {
                                    s->num_heads / s->num_kv_heads, s->head_dim, s->block_size, s->scale,
                                    s->threads) != 0)
             return -2;
-        product(w->o, NULL, attn, s->x, hidden, q_size, s->threads);
+        product(&w_all, NULL, attn, s->x, hidden, q_size, s->threads);
         add_norm(s->x, residual, 1, w->post_norm, h, hidden, s->eps);
-        gated(w->gate_up, w->gate_up_bias, h, act, up, s->intermediate, hidden, s->threads);
-        product(w->down, w->down_bias, act, s->x, hidden, s->intermediate, s->threads);
+        gated(&w_all, w->gate_up_bias, h, act, up, s->intermediate, hidden, s->threads);
+        product(&w_all, w->down_bias, act, s->x, hidden, s->intermediate, s->threads);
     }
     add_norm(s->x, residual, 1, s->final_norm, s->x, hidden, s->eps);
     return 0;

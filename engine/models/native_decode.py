@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvkernels import cpu_decode
 from kvstore import LayerKV
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engine.models.attention import AttentionMetadata
@@ -84,6 +87,11 @@ class NativeDecode:
         self.work = torch.empty(cpu_decode.step_work(self.step))
         self.step.work = self.work.data_ptr()
         self.weights = list(model.parameters())  # (kept alive while their addresses are held)
+        # a copy of the layers' matrices, one stream a thread (``kvserve_decode_step_pack_f32`` says why)
+        self.streams = cpu_decode.pack_step(self.step, torch.get_num_threads())
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.streams)
+        log.info("one sequence's decode step reads a copy of the layers' matrices in %d streams: %.0f MB",
+                 len(self.streams), self.nbytes / 1e6)  # fmt: skip
 
     def __call__(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_layers: list[LayerKV],
                  meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
