@@ -95,10 +95,19 @@ static float exp_shifted(float *s, int64_t n, float top) {
 struct rows {
     const int32_t *table; /* the sequence's block table */
     int64_t len, block_size, block_stride, token_stride, offset, width, ahead;
+    int shift; /* log2(block_size) where it is a power of two (a shift, not a division, per row), else -1 */
 };
 
+static int log2_of(int64_t block_size) {
+    for (int shift = 0; shift < 31; shift++)
+        if (((int64_t)1 << shift) == block_size)
+            return shift;
+    return -1;
+}
+
 static const float *row_at(const float *cache, const struct rows *r, int64_t t) {
-    return cache + r->table[t / r->block_size] * r->block_stride + (t % r->block_size) * r->token_stride + r->offset;
+    const int64_t block = r->shift >= 0 ? t >> r->shift : t / r->block_size;
+    return cache + r->table[block] * r->block_stride + (t - block * r->block_size) * r->token_stride + r->offset;
 }
 
 /* Token t's row, after prefetching the row `ahead` tokens on: reading a sequence's rows walks its blocks in a
@@ -191,7 +200,7 @@ int kvserve_paged_decode_f32(const float *q, const float *k_cache, const float *
             continue;
         }
         const struct rows rows = {block_tables + seq * table_stride, len, block_size, block_stride, token_stride,
-                                  first * head_dim, width, rows_ahead(width)};
+                                  first * head_dim, width, rows_ahead(width), log2_of(block_size)};
         float *top = scores + heads * len;
         attend(q + q_row, k_cache, v_cache, &rows, 0, len, heads, group, head_dim, scale, scores, top, top + heads, o,
                1);
@@ -217,7 +226,8 @@ int kvserve_decode_one_f32(const float *q, const float *k_cache, const float *v_
         return 0;
     float *parts = calloc((size_t)chunks * part, sizeof(float)); /* each chunk's (top, total, o) */
     int failed = parts == NULL;
-    const struct rows rows = {block_table, len, block_size, block_size * width, width, 0, width, rows_ahead(width)};
+    const struct rows rows = {block_table, len,   block_size,        block_size * width, width,
+                              0,           width, rows_ahead(width), log2_of(block_size)};
 #pragma omp parallel num_threads(num_threads) if (!failed)
     {
         float *scores = malloc(sizeof(float) * heads * CHUNK);

@@ -39,19 +39,21 @@ def c_kernel(tmp_path_factory):
     return cpu_decode.paged_decode_attention
 
 
-@pytest.mark.parametrize(("implementation", "max_gather", "head_dim"), [
-    ("reference", 1 << 24, 8),
-    ("reference", 256, 8),  # 256 elements: every group split to single rows
-    ("c", None, 8),
-    ("c", None, 80),  # 5 x 16 lanes
-    ("c", None, 35),  # 2 x 16 lanes and a tail of 3
+@pytest.mark.parametrize(("implementation", "max_gather", "head_dim", "block_size"), [
+    ("reference", 1 << 24, 8, 4),
+    ("reference", 256, 8, 4),  # 256 elements: every group split to single rows
+    ("c", None, 8, 4),
+    ("c", None, 80, 4),  # 5 x 16 lanes
+    ("c", None, 35, 4),  # 2 x 16 lanes and a tail of 3
+    ("c", None, 16, 6),  # blocks of no power of two: a division finds a row's block, not a shift
 ])  # fmt: skip
-def test_cpu_decode_matches_attention_written_out(monkeypatch, request, implementation, max_gather, head_dim):
+def test_cpu_decode_matches_attention_written_out(monkeypatch, request, implementation, max_gather, head_dim,
+                                                   block_size):  # fmt: skip
     decode = reference.paged_decode_attention if implementation == "reference" else request.getfixturevalue("c_kernel")
     if max_gather is not None:
         monkeypatch.setattr(attention, "_MAX_GATHER_ELEMENTS", max_gather)
     torch.manual_seed(0)
-    block_size, num_kv_heads, num_q_heads = 4, 2, 6
+    num_kv_heads, num_q_heads = 2, 6
     seq_lens = torch.tensor([5, 0, 1, 17, 40, 3, 0, 33, 8, 64], dtype=torch.int32)
     width = 20  # wider than any sequence needs: the entries past its blocks are out-of-range garbage
     k_cache = torch.randn(80, block_size, num_kv_heads, head_dim)
