@@ -6,15 +6,18 @@
  * where the model has one, rotate-half RoPE of the leading rotary_dim dims, the new token's K and V into its
  * slot, paged attention over the sequence (kvserve_decode_one_f32), o_proj, RMSNorm, the gate/up product with
  * SiLU(gate) * up, down_proj; the final RMSNorm after the last layer. Each product is a matrix-vector product
- * whose rows the threads split in contiguous ranges, each row summed in four vectors of lanes; everything else
- * is a few thousand floats, on the calling thread. The math is the PyTorch layers' in float32, summed in
+ * whose rows the parts (a thread each) split in contiguous ranges, each part's rows read from its own stream of
+ * every layer's (kvserve_decode_step_pack_f32), each row summed in four vectors of lanes; everything else is a
+ * few thousand floats, on the calling thread. The math is the PyTorch layers' in float32, summed in
  * another order (as any two kernels' sums are). */
 
 #include "cpu_lanes.h"
 
 #include <omp.h>
 
-struct layer { /* one decoder layer's tensors, contiguous float32; a NULL bias or head norm: the model has none */
+/* One decoder layer's tensors, contiguous float32; a NULL bias or head norm: the model has none. The step reads
+ * qkv, o, gate_up and down from the parts' streams; kvserve_decode_step_pack_f32 reads them here. */
+struct layer {
     const float *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *post_norm, *gate_up, *gate_up_bias, *down,
         *down_bias;
     float *k_cache, *v_cache; /* (blocks, block_size, kv_heads, head_dim) */

@@ -127,8 +127,9 @@ class CompiledDecode:
     gather, the split products), each with its dispatch and its OpenMP fork and join: about 17 ms of a 50 ms
     step on two cores. Compiled, a layer is a few fused C++ loops (``engine.models.linear`` for the products,
     ``attention.compiled_decode_attention`` for attention), and the step halves. ``NativeDecode`` runs the 30
-    layers in one call, at the memory's speed: 18.2 against 20.8 ms a step in this host's slower bandwidth mode,
-    15.6-16.0 against 19.2-19.9 in its faster one (one engine, the two alternating; the same tokens). Inductor's
+    layers in one call, at the memory's speed: 17.0-17.3 against 21.5-22.1 ms a step in this host's slower
+    bandwidth mode, 12.8-13.3 against 17.9-18.7 in its faster one (one engine, the two alternating; the same
+    tokens). Inductor's
     graph serves what it refuses (another dtype, ``KVSERVE_CPU_KERNELS=0``). One row's logits (any step that
     samples one row, a prefill's last too) go through a compiled LM head of their own.
 

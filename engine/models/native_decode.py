@@ -49,13 +49,20 @@ class NativeDecode:
     over the memory bandwidth, if the code keeps up with the memory. Inductor's code for a layer did not: it sums
     each row of a product in one chain of vector adds (a dependent add every four cycles), rebuilds the normed
     input inside the row's loop, and each layer is a Python call with a few dozen size checks and buffer
-    allocations. Here a row is summed in four independent vectors, the threads split each product's rows in
-    two contiguous ranges, the 30 layers are one call, and attention splits the sequence's tokens among the
-    threads (``kvserve_decode_one_f32``: a sequence's 3 KV heads kept two threads unevenly busy, 1.4 against
-    1.0 ms a step). On the bundled model, one engine alternating the two: 18.2 against 20.8 ms a step in this
-    host's slower bandwidth mode, 15.6-16.0 against 19.2-19.9 in its faster one, the same tokens. A step's
-    products then read at the speed of ``torch.sum`` over the same tensors; a single stream over all of them
-    reads about a third faster in the faster mode (the threads wait for each other at each of 120 products).
+    allocations. Here a row is summed in four independent vectors, the 30 layers are one call, and attention
+    splits the sequence's tokens among the threads (``kvserve_decode_one_f32``: a sequence's 3 KV heads kept two
+    threads unevenly busy, 1.4 against 1.0 ms a step).
+
+    The threads split each product's rows, and each reads its rows of every product from a copy of its own, laid
+    out in the order it reads them (``kvkernels.cpu_decode.pack_step``): one run of memory from the first layer
+    to the last, as one stream over all the weights reads. Each thread's half of each matrix in turn (the
+    weights where they lie) jumps 120 times a step, and read 425 MB in 9.2-9.5 ms where a stream took 7.4 in
+    this host's faster bandwidth mode (12.9 against 12.0 in its slower one). The copy costs the layers' bytes
+    again (425 MB on the bundled model, logged at start); the plain weights stay for every other path.
+
+    On the bundled model, one engine alternating the C step with inductor's layers (greedy, 256-token prompt):
+    17.0-17.3 against 21.5-22.1 ms a step in the slower mode (32-34 GB/s read), 12.8-13.3 against 17.9-18.7 in
+    the faster (55-57 GB/s), the same tokens.
 
     Llama-family layers (RMSNorm, q/k/v and MLP biases, q/k head norms, partial rotary, SiLU gated MLP) over a
     float32 KV pool without scales or windows; ``refusal`` says what else decodes through inductor's graph.

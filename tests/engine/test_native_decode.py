@@ -3,9 +3,10 @@ call, against the eager PyTorch layers (checked against transformers by every en
 
 Four layouts, each with the switch it tests drawn at random so that skipping it changes the answer: the bundled
 Llama (SmolLM2), Qwen2's q/k/v biases, Qwen3's q and k head norms, and Phi-4-mini's partial rotary over a head
-width that is no multiple of the kernel's 16 lanes. The C step sums in other orders than the eager one, so
-logits and the stored K/V are compared within a tolerance, the greedy token exactly; the rest of the pool must
-be untouched, bit for bit."""
+width and an MLP width that are no multiples of the kernel's 16 lanes. The weights are packed in three streams
+(products split unevenly), read by one, two and three threads. The C step sums in other orders than the eager
+one, so logits and the stored K/V are compared within a tolerance, the greedy token exactly; the rest of the
+pool must be untouched, bit for bit."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ LAYOUTS = {  # what each adds to the bundled Llama's layers
     "qwen2 (q/k/v biases)": ("qwen2-tiny", dict(TINY)),
     "qwen3 (q and k head norms)": ("qwen3-0.6b", dict(TINY, head_dim=32)),
     "phi3 (partial rotary, heads of 24)": ("phi-3-mini", dict(TINY, hidden_size=96, partial_rotary_factor=0.75,
-                                                               sliding_window=None, rope_scaling=None)),
+                                                               sliding_window=None, rope_scaling=None,
+                                                               intermediate_size=100)),  # (no multiple of 16)
 }  # fmt: skip
 TABLE = [5, 2, 9, 0, 12]  # blocks of 16, out of order
 
@@ -38,6 +40,18 @@ def engine(request, tmp_path_factory) -> LLMEngine:
                                        overrides=overrides))  # fmt: skip
     return LLMEngine(model=model, device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_blocks=16,
                      max_num_seqs=2, skip_tokenizer_init=True)  # fmt: skip
+
+
+def _built_on_three_threads(runner) -> NativeDecode:
+    """A step whose weights are packed in three streams (a process of three threads): products split unevenly."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        native = NativeDecode(runner.model, runner.kv_cache.layers)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(native.streams) == 3
+    return native
 
 
 def _pool(engine: LLMEngine) -> list[torch.Tensor]:
@@ -62,7 +76,7 @@ def _native_logits(engine: LLMEngine, native: NativeDecode, token: int, position
 def test_a_step_gives_the_eager_layers_logits_and_kv(engine, prompt_len):
     runner, vocab = engine.runner, engine.model_config.vocab_size
     assert refusal(runner.model, runner.kv_cache.layers) is None
-    native = NativeDecode(runner.model, runner.kv_cache.layers)
+    native = _built_on_three_threads(runner)
     prompt = torch.randint(3, vocab, (prompt_len + 1,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         if prompt_len:
@@ -82,7 +96,7 @@ def test_a_step_gives_the_eager_layers_logits_and_kv(engine, prompt_len):
             assert not torch.equal(eager[slot], saved[slot])  # (the eager step did write it)
             written[slot] = saved[slot]
             assert torch.equal(written, saved), "the C step wrote outside the new token's slot"
-        _restore(engine, before)  # each thread count computes each row on one thread, in one order
+        _restore(engine, before)  # each thread count (one stream each or several) sums each row in one order
         threads = torch.get_num_threads()
         try:
             for count in (1, 2, 3):
