@@ -34,7 +34,8 @@ demo: $(STAMP)
 
 # Tests live by kind in tests/{unit,engine,kernels,service,cluster,deploy}/, each directory its own marker. Two
 # pytest-xdist workers: the tiers that start servers (service, cluster) one after another on one, the rest (unit,
-# engine, deploy) on the other (tests/conftest.py's GROUPS). Kernel tests run the Triton
+# engine, deploy, and a service module that starts only a compiler) on the other (tests/conftest.py's GROUPS and
+# NO_SERVERS). Kernel tests run the Triton
 # kernels in interpreter mode, which must be switched on before triton is imported, so they get a process of
 # their own. compose and soak tests run on demand only. The 15 slowest tests are listed: make test must stay under 15
 # minutes on a 2-core host, so a slow new test goes under soak.
