@@ -188,15 +188,17 @@ class CompiledDecode:
         log.info("compiled the one-sequence decode step in %.1f s", self.compile_s)
 
     @staticmethod
+    def applies(meta: AttentionMetadata, kv: LayerKV) -> bool:
+        """Whether this step runs compiled (or in ``NativeDecode``): one sequence's decode of float KV on the CPU."""
+        return (meta.num_seqs == 1 and meta.num_decodes == 1 and meta.ring is None and kv.k_scale is None
+                and meta.slot_mapping.device.type == "cpu" and int(meta.seq_lens[0]) >= 1)  # fmt: skip
+
+    @staticmethod
     def meta_for(meta: AttentionMetadata, kv: LayerKV) -> AttentionMetadata | None:
         """``meta`` with its block table cut to the sequence's blocks, when this step runs compiled; else None."""
-        if (meta.num_seqs != 1 or meta.num_decodes != 1 or meta.ring is not None or kv.k_scale is not None
-                or meta.slot_mapping.device.type != "cpu"):  # fmt: skip
+        if not CompiledDecode.applies(meta, kv):
             return None
-        length = int(meta.seq_lens[0])
-        if length < 1:
-            return None
-        block_size = kv.k_cache.shape[1]
+        length, block_size = int(meta.seq_lens[0]), kv.k_cache.shape[1]
         # new tensors, as each step's inputs are: dynamo guards on strides (even of a dimension of size 1), and on
         # a tensor's being an inference tensor (the staged inputs are views of a buffer made outside inference mode)
         return dataclasses.replace(meta, block_tables=meta.block_tables[:, : -(-length // block_size)].clone(

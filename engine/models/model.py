@@ -202,10 +202,9 @@ class CausalLM(nn.Module):
             x = x * torch.tensor(self.config.embed_scale).to(x.dtype).item()
         rotations = {kind: self._rotation(rope, positions, meta) for kind, rope in self.ropes.items()}
         residual = None
+        if self.compiled is not None and self.compiled.native is not None and self.compiled.applies(meta, kv_layers[0]):
+            return self.compiled.native(x, rotations["global"][0], kv_layers, meta)  # every layer in one C call
         compiled = self.compiled.meta_for(meta, kv_layers[0]) if self.compiled is not None else None
-        native = self.compiled.native if compiled is not None else None
-        if native is not None:  # every layer in one C call
-            return native(x, rotations["global"][0], kv_layers, meta)
         if compiled is not None:  # the tables once per step, not per layer
             rotations = {kind: (dense(cos_sin), sink) for kind, (cos_sin, sink) in rotations.items()}
         for layer, kv in zip(self.model.layers, kv_layers, strict=True):
